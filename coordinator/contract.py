@@ -1,0 +1,67 @@
+"""The tensor contract between the coordinator and its engines.
+
+The engines (``target``, ``draft``) speak the interface of the ``tensorrt_llm``
+model of NVIDIA's Triton TensorRT-LLM backend, so the same coordinator drives
+TensorRT-LLM engines on GPUs and the CPU reference engine here. This module is
+the single list of what the coordinator sends and reads; the config checks
+compare it against every profile's ``config.pbtxt``.
+
+Dims below are the per-request dims declared in the model config (the engines
+have ``max_batch_size`` >= 1, so on the wire each gains a leading batch dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton config spelling, e.g. "TYPE_INT32"
+    dims: tuple[int, ...]
+    numpy_dtype: str
+
+
+def _spec(name: str, data_type: str, dims: tuple[int, ...]) -> TensorSpec:
+    numpy_dtype = {
+        "TYPE_INT32": "int32",
+        "TYPE_UINT64": "uint64",
+        "TYPE_FP32": "float32",
+        "TYPE_BOOL": "bool",
+    }[data_type]
+    return TensorSpec(name, data_type, dims, numpy_dtype)
+
+
+# Inputs the coordinator may send to an engine.
+ENGINE_INPUTS: dict[str, TensorSpec] = {
+    s.name: s
+    for s in (
+        _spec("input_ids", "TYPE_INT32", (-1,)),
+        _spec("input_lengths", "TYPE_INT32", (1,)),
+        _spec("request_output_len", "TYPE_INT32", (1,)),
+        _spec("end_id", "TYPE_INT32", (1,)),
+        _spec("pad_id", "TYPE_INT32", (1,)),
+        _spec("draft_input_ids", "TYPE_INT32", (-1,)),
+        _spec("draft_logits", "TYPE_FP32", (-1, -1)),
+        _spec("temperature", "TYPE_FP32", (1,)),
+        _spec("runtime_top_k", "TYPE_INT32", (1,)),
+        _spec("runtime_top_p", "TYPE_FP32", (1,)),
+        _spec("random_seed", "TYPE_UINT64", (1,)),
+        _spec("return_generation_logits", "TYPE_BOOL", (1,)),
+    )
+}
+
+# Outputs the coordinator reads from an engine.
+ENGINE_OUTPUTS: dict[str, TensorSpec] = {
+    s.name: s
+    for s in (
+        _spec("output_ids", "TYPE_INT32", (-1, -1)),
+        _spec("sequence_length", "TYPE_INT32", (-1,)),
+        _spec("generation_logits", "TYPE_FP32", (-1, -1, -1)),
+    )
+}
+
+# Engine-side settings the coordinator depends on: it reads ``output_ids`` as
+# the generated tokens only, so every engine must exclude the input.
+REQUIRED_ENGINE_PARAMETERS: dict[str, str] = {"exclude_input_in_output": "true"}
