@@ -1,0 +1,92 @@
+"""The coordinator's server-side settings: one place for their names, defaults
+and limits. Values come from the model config's ``parameters`` (strings), with
+``${VAR}`` expanded from the environment, and may be overridden by the
+environment variables in ``ENV_OVERRIDES`` (how Kubernetes ConfigMaps set the
+knobs without editing config.pbtxt)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+# Hard upper bound of the speculation window accepted anywhere; a TensorRT-LLM
+# target engine must be built with --max_draft_len at least the configured window.
+MAX_SPECULATION_WINDOW = 16
+
+ENV_OVERRIDES = {
+    "speculation_window": "SPECDEC_SPECULATION_WINDOW",
+    "fallback_threshold": "SPECDEC_FALLBACK_THRESHOLD",
+}
+
+
+class SettingsError(ValueError):
+    """A server-side configuration value is missing or out of range."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    speculation_window: int = 5
+    fallback_threshold: float = 0.3
+    target_model_name: str = "target"
+    draft_model_name: str = "draft"
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_context_tokens: int = 4096
+    tokenizer_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
+            raise SettingsError(
+                f"speculation_window must be between 0 and {MAX_SPECULATION_WINDOW}, got {self.speculation_window}"
+            )
+        if not 0.0 <= self.fallback_threshold <= 1.0:
+            raise SettingsError(f"fallback_threshold must be between 0 and 1, got {self.fallback_threshold}")
+        if self.max_tokens_limit < 1:
+            raise SettingsError(f"max_tokens_limit must be at least 1, got {self.max_tokens_limit}")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise SettingsError(
+                f"default_max_tokens must be between 1 and max_tokens_limit ({self.max_tokens_limit}), "
+                f"got {self.default_max_tokens}"
+            )
+        if self.max_context_tokens < 2:
+            raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
+
+    @classmethod
+    def from_parameters(
+        cls, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None
+    ) -> CoordinatorSettings:
+        """Build settings from Triton parameters; unknown keys are an error."""
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(parameters) - set(known))
+        if unknown:
+            raise SettingsError(f"unknown coordinator parameter(s): {', '.join(unknown)}; known: {', '.join(known)}")
+        raw = {k: expand_env(v, environ, k) for k, v in parameters.items()}
+        for name, var in ENV_OVERRIDES.items():
+            if environ.get(var, "").strip():
+                raw[name] = environ[var].strip()
+        values = {}
+        for name, text in raw.items():
+            kind = known[name].type
+            try:
+                values[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
+            except ValueError:
+                raise SettingsError(f"coordinator parameter {name} must be {kind}, got {text!r}") from None
+        return cls(**values)
+
+
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(value: str, environ: Mapping[str, str], name: str) -> str:
+    """Expand ``${VAR}`` references in a config parameter value."""
+
+    def substitute(match: re.Match[str]) -> str:
+        var = match.group(1)
+        if var not in environ:
+            raise SettingsError(f"parameter {name}={value!r} needs environment variable {var}, which is not set")
+        return environ[var]
+
+    return _ENV_REFERENCE.sub(substitute, value)

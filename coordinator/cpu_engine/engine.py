@@ -1,0 +1,144 @@
+"""The CPU reference engine: one transformers causal LM, greedy/sampled
+generation, one-pass verification of draft tokens, prefix KV-cache reuse.
+
+Semantics follow TensorRT-LLM's ``draft_tokens_external`` mode: with k draft
+tokens the engine runs one forward pass over the new tokens plus the k drafts
+and returns the accepted prefix plus one token of its own. Acceptance is token
+matching, or rejection sampling when the draft's logits are given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from coordinator.cpu_engine.kv_pool import PrefixCachePool
+from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineRequestError(ValueError):
+    """The request violates the engine's limits (named field, stated limit)."""
+
+
+@dataclass
+class EngineRequest:
+    input_ids: np.ndarray
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    end_id: int | None = None
+    draft_tokens: np.ndarray | None = None
+    draft_logits: np.ndarray | None = None  # [k, vocab]
+    return_logits: bool = False
+
+
+@dataclass
+class EngineResult:
+    tokens: list[int]
+    logits: np.ndarray | None = None  # [len(tokens), vocab] float32
+    reused_tokens: int = 0  # prompt tokens served from the KV-cache pool
+
+
+class CausalLMEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        num_threads: int = 2,
+        max_cached_sequences: int = 8,
+        max_context_tokens: int = 4096,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        self.model.eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_context_tokens = max_context_tokens
+        self.pool = PrefixCachePool(max_cached_sequences)
+
+    @torch.inference_mode()
+    def run(self, request: EngineRequest) -> EngineResult:
+        input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
+        drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
+        self._check(request, input_ids, drafts)
+        cache, reused = self.pool.take(input_ids)
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        else:
+            cache.crop(reused - cache.get_seq_length())
+        if drafts:
+            result, cached_tokens = self._verify(request, input_ids, drafts, reused, cache)
+        else:
+            result, cached_tokens = self._generate(request, input_ids, reused, cache)
+        # Only a cache that finished cleanly goes back to the pool.
+        self.pool.put(cached_tokens, cache)
+        result.reused_tokens = reused
+        return result
+
+    def _check(self, request: EngineRequest, input_ids: np.ndarray, drafts: list[int]) -> None:
+        if input_ids.size == 0:
+            raise EngineRequestError("input_ids is empty")
+        if request.max_new_tokens < 1:
+            raise EngineRequestError(f"request_output_len must be at least 1, got {request.max_new_tokens}")
+        bad = input_ids[(input_ids < 0) | (input_ids >= self.vocab_size)]
+        if bad.size or any(not 0 <= t < self.vocab_size for t in drafts):
+            raise EngineRequestError(f"token ids must be in [0, {self.vocab_size}) for this model")
+        needed = input_ids.size + max(request.max_new_tokens, len(drafts) + 1)
+        if needed > self.max_context_tokens:
+            raise EngineRequestError(
+                f"input_ids ({input_ids.size} tokens) plus request_output_len exceeds max_context_tokens "
+                f"{self.max_context_tokens}"
+            )
+        if request.draft_logits is not None and drafts:
+            shape = tuple(np.shape(request.draft_logits))
+            if shape != (len(drafts), self.vocab_size):
+                raise EngineRequestError(
+                    f"draft_logits must have shape [{len(drafts)}, {self.vocab_size}] "
+                    f"(draft tokens x vocabulary), got {list(shape)}"
+                )
+
+    def _forward(self, tokens: list[int] | np.ndarray, cache: DynamicCache) -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).unsqueeze(0)
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+
+    def _verify(self, request, input_ids, drafts, reused, cache):
+        k = len(drafts)
+        logits = self._forward(np.concatenate([input_ids[reused:], drafts]), cache)[-(k + 1) :].numpy()
+        first_position = input_ids.size
+        if request.draft_logits is not None:
+            tokens = verify_by_rejection(
+                logits, np.asarray(request.draft_logits), drafts, request.sampling, first_position
+            )
+        else:
+            tokens = verify_by_matching(logits, drafts, request.sampling, first_position)
+        tokens = tokens[: request.max_new_tokens]
+        # all but the last emitted token are accepted drafts, already in the cache
+        cached_tokens = np.concatenate([input_ids, tokens[:-1]]).astype(np.int64)
+        cache.crop(cached_tokens.size - cache.get_seq_length())
+        return EngineResult(tokens, logits[: len(tokens)] if request.return_logits else None), cached_tokens
+
+    def _generate(self, request, input_ids, reused, cache):
+        feed: list[int] | np.ndarray = input_ids[reused:]
+        tokens: list[int] = []
+        rows: list[np.ndarray] = []
+        for step in range(request.max_new_tokens):
+            logits = self._forward(feed, cache)[-1]
+            if request.sampling.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                token = select_token(logits.numpy(), request.sampling, input_ids.size + step)
+            tokens.append(token)
+            if request.return_logits:
+                rows.append(logits.numpy().copy())
+            if token == request.end_id:
+                break
+            feed = [token]
+        # the cache holds everything but the last emitted token
+        cached_tokens = np.concatenate([input_ids, tokens[:-1]]).astype(np.int64)
+        logits_out = np.stack(rows) if request.return_logits else None
+        return EngineResult(tokens, logits_out), cached_tokens

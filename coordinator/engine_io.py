@@ -1,0 +1,58 @@
+"""Building engine requests and reading engine responses, in the tensorrtllm
+backend's wire format (leading batch dim of 1; beams in ``output_ids``).
+Pure numpy: the BLS adapter wraps these arrays in Triton tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from coordinator.contract import ENGINE_INPUTS
+from coordinator.sampling import SamplingParams
+
+REQUESTED_OUTPUTS = ("output_ids", "sequence_length")
+
+
+def engine_inputs(
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    *,
+    end_id: int,
+    pad_id: int,
+    draft_tokens: Sequence[int] = (),
+    draft_logits: np.ndarray | None = None,
+    return_logits: bool = False,
+) -> dict[str, np.ndarray]:
+    def scalar(name: str, value) -> np.ndarray:
+        return np.array([[value]], dtype=ENGINE_INPUTS[name].numpy_dtype)
+
+    tensors = {
+        "input_ids": np.asarray(input_ids, dtype=np.int32).reshape(1, -1),
+        "input_lengths": scalar("input_lengths", len(input_ids)),
+        "request_output_len": scalar("request_output_len", max_new_tokens),
+        "end_id": scalar("end_id", end_id),
+        "pad_id": scalar("pad_id", pad_id),
+        # Greedy is top-k 1 (temperature 0 would divide by zero in some engines).
+        "temperature": scalar("temperature", 1.0 if sampling.greedy else sampling.temperature),
+        "runtime_top_k": scalar("runtime_top_k", 1 if sampling.greedy else sampling.top_k),
+        "runtime_top_p": scalar("runtime_top_p", sampling.top_p),
+        "random_seed": scalar("random_seed", sampling.seed),
+    }
+    if draft_tokens:  # TensorRT-LLM asserts on an empty draft
+        tensors["draft_input_ids"] = np.asarray(draft_tokens, dtype=np.int32).reshape(1, -1)
+        if draft_logits is not None:
+            tensors["draft_logits"] = np.asarray(draft_logits, dtype=np.float32)[None, ...]
+    if return_logits:
+        tensors["return_generation_logits"] = scalar("return_generation_logits", True)
+    return tensors
+
+
+def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> list[int]:
+    """Tokens of beam 0 of the single request (the engine excludes the input)."""
+    ids = np.asarray(output_ids).reshape(-1, np.asarray(output_ids).shape[-1])[0]
+    length = int(np.asarray(sequence_length).reshape(-1)[0])
+    if not 0 <= length <= ids.size:
+        raise ValueError(f"sequence_length {length} is outside output_ids of size {ids.size}")
+    return [int(t) for t in ids[:length]]

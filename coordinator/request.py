@@ -1,0 +1,166 @@
+"""Validation of the coordinator's public inputs.
+
+Every rejection names the field and the limit, so a client can fix its
+request without reading server logs. Triton itself already rejects unknown
+inputs and data types that differ from config.pbtxt; this module checks the
+values (and shapes again, defensively)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.config import CoordinatorSettings
+from coordinator.sampling import SamplingParams
+
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_CHARS = 256
+MAX_TEMPERATURE = 100.0
+
+INPUT_NAMES = (
+    "text_input",
+    "max_tokens",
+    "speculation_window",
+    "temperature",
+    "top_k",
+    "top_p",
+    "random_seed",
+    "stop_words",
+    "stream",
+)
+
+
+class InputError(ValueError):
+    """A request input is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    max_tokens: int
+    speculation_window: int  # per-request cap on drafted tokens (0: plain decoding)
+    sampling: SamplingParams
+    stop_words: tuple[str, ...] = ()
+    stream: bool = False
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray | None],
+    settings: CoordinatorSettings,
+    new_seed: Callable[[], int],
+) -> GenerationRequest:
+    """Build a validated request from the raw input tensors (absent: None)."""
+    unknown = sorted(k for k, v in inputs.items() if v is not None and k not in INPUT_NAMES)
+    if unknown:
+        raise InputError(f"unknown input(s) {', '.join(unknown)}; accepted inputs: {', '.join(INPUT_NAMES)}")
+
+    prompt = _utf8("text_input", _scalar(inputs, "text_input", required=True))
+    if not prompt:
+        raise InputError("text_input is empty; send at least one character of prompt")
+
+    max_tokens = _int_in_range(inputs, "max_tokens", settings.default_max_tokens, 1, settings.max_tokens_limit)
+    window = _int_in_range(
+        inputs,
+        "speculation_window",
+        settings.speculation_window,
+        0,
+        settings.speculation_window,
+        limit_name="the server's speculation_window",
+    )
+
+    temperature = _float(inputs, "temperature", 0.0)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InputError(f"temperature must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy), got {temperature:g}")
+    top_k = _int_in_range(inputs, "top_k", 0, 0, 2**31 - 1)
+    top_p = _float(inputs, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"top_p must be in (0, 1], got {top_p:g}")
+    seed_value = _scalar(inputs, "random_seed")
+    seed = int(seed_value) if seed_value is not None else new_seed()
+    if not 0 <= seed < 2**64:
+        raise InputError(f"random_seed must be between 0 and 2^64-1, got {seed}")
+
+    stop_words = _stop_words(inputs.get("stop_words"))
+    stream_value = _scalar(inputs, "stream")
+    stream = bool(stream_value) if stream_value is not None else False
+
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        speculation_window=window,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        stop_words=stop_words,
+        stream=stream,
+    )
+
+
+def check_context(prompt_tokens: int, max_tokens: int, settings: CoordinatorSettings) -> None:
+    """Prompt plus completion must fit the engines' context."""
+    if prompt_tokens + max_tokens > settings.max_context_tokens:
+        raise InputError(
+            f"text_input is {prompt_tokens} tokens; with max_tokens {max_tokens} that exceeds the context limit "
+            f"of {settings.max_context_tokens} tokens (shorten the prompt or lower max_tokens)"
+        )
+
+
+def _scalar(inputs: Mapping[str, np.ndarray | None], name: str, required: bool = False):
+    value = inputs.get(name)
+    if value is None:
+        if required:
+            raise InputError(f"{name} is required")
+        return None
+    array = np.asarray(value)
+    if array.size != 1:
+        raise InputError(f"{name} must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _int_in_range(inputs, name: str, default: int, low: int, high: int, limit_name: str | None = None) -> int:
+    value = _scalar(inputs, name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, np.integer)):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    number = int(value)
+    if not low <= number <= high:
+        limit = f" ({limit_name})" if limit_name else ""
+        raise InputError(f"{name} must be between {low} and {high}{limit}, got {number}")
+    return number
+
+
+def _float(inputs, name: str, default: float) -> float:
+    value = _scalar(inputs, name)
+    if value is None:
+        return default
+    number = float(value)
+    if not math.isfinite(number):
+        raise InputError(f"{name} must be a finite number, got {number}")
+    return number
+
+
+def _utf8(name: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (bytes, np.bytes_)):
+        raise InputError(f"{name} must be a UTF-8 string (BYTES), got {type(value).__name__}")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{name} is not valid UTF-8 (invalid byte at offset {error.start})") from None
+
+
+def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    words = [_utf8("stop_words", w) for w in np.asarray(value).reshape(-1)]
+    if len(words) > MAX_STOP_WORDS:
+        raise InputError(f"stop_words may hold at most {MAX_STOP_WORDS} strings, got {len(words)}")
+    for word in words:
+        if not word:
+            raise InputError("stop_words must not contain an empty string")
+        if len(word) > MAX_STOP_WORD_CHARS:
+            raise InputError(f"stop_words entries may be at most {MAX_STOP_WORD_CHARS} characters, got {len(word)}")
+    return tuple(words)

@@ -1,0 +1,1 @@
+"""Local serving: model assets, the Triton binary from nvidia-pytriton, the launcher."""

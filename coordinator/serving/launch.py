@@ -1,0 +1,181 @@
+"""``specdec-serve``: prepare the model pair and run a real tritonserver with
+the cpu profile in the foreground (README command 1)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import site
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import coordinator
+from coordinator.serving import assets, tritonserver
+from coordinator.serving.pair import TokenizerMismatch, prepare_pair_tokenizer
+
+PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
+
+
+@dataclass
+class ServerOptions:
+    target: str = assets.DEFAULT_TARGET
+    draft: str = assets.DEFAULT_DRAFT
+    cache_dir: Path = field(default_factory=assets.default_cache_dir)
+    model_repository: Path = PROJECT_ROOT / "model_repository"
+    profile: str = "cpu"
+    address: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PreparedPair:
+    target_dir: Path
+    draft_dir: Path
+    tokenizer_dir: Path
+
+
+def prepare(options: ServerOptions) -> PreparedPair:
+    """Fetch/convert both models and check they share a tokenizer."""
+    options.cache_dir.mkdir(parents=True, exist_ok=True)
+    target_dir = assets.prepare_model(options.target, options.cache_dir, "target")
+    draft_dir = assets.prepare_model(options.draft, options.cache_dir, "draft")
+    tokenizer_dir = prepare_pair_tokenizer(target_dir, draft_dir, options.cache_dir)
+    return PreparedPair(target_dir, draft_dir, tokenizer_dir)
+
+
+def server_command(options: ServerOptions, install: tritonserver.TritonInstall) -> list[str]:
+    return [
+        str(install.binary),
+        f"--model-repository={options.model_repository}",
+        f"--model-config-name={options.profile}",
+        f"--backend-directory={install.backend_dir}",
+        "--model-control-mode=none",
+        "--strict-readiness=true",
+        "--exit-on-error=true",
+        f"--http-address={options.address}",
+        f"--grpc-address={options.address}",
+        f"--metrics-address={options.address}",
+        f"--http-port={options.http_port}",
+        f"--grpc-port={options.grpc_port}",
+        f"--metrics-port={options.metrics_port}",
+        f"--log-verbose={options.log_verbose}",
+    ]
+
+
+def server_environment(options: ServerOptions, pair: PreparedPair, install: tritonserver.TritonInstall) -> dict:
+    # The Python backend stub ignores PYTHONPATH; model.py files read SPECDEC_PYTHONPATH.
+    paths = [str(PROJECT_ROOT), *site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    env = dict(os.environ)
+    env.update(
+        {
+            "LD_LIBRARY_PATH": os.pathsep.join(
+                p for p in (str(install.library_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p
+            ),
+            "SPECDEC_PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+            "SPECDEC_TARGET_MODEL_DIR": str(pair.target_dir),
+            "SPECDEC_DRAFT_MODEL_DIR": str(pair.draft_dir),
+            "SPECDEC_TOKENIZER_DIR": str(pair.tokenizer_dir),
+        }
+    )
+    env.update(options.extra_env)
+    return env
+
+
+def start(options: ServerOptions, pair: PreparedPair, **popen_kwargs) -> subprocess.Popen:
+    install = tritonserver.locate(options.cache_dir)
+    return subprocess.Popen(
+        server_command(options, install), env=server_environment(options, pair, install), **popen_kwargs
+    )
+
+
+def wait_until_ready(process: subprocess.Popen, options: ServerOptions, timeout: float = 600.0) -> None:
+    host = "127.0.0.1" if options.address in ("0.0.0.0", "") else options.address
+    url = f"http://{host}:{options.http_port}/v2/health/ready"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = process.poll()
+        if code is not None:
+            raise RuntimeError(f"tritonserver exited with code {code} before it was ready (see its log above)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s ({url})")
+
+
+def _parse_args(argv: list[str] | None) -> ServerOptions:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="specdec-serve",
+        description="Run the speculative-decoding Triton server (cpu profile) in the foreground.",
+    )
+    models = ", ".join(assets.BUILTIN_MODELS)
+    parser.add_argument("--target", default=env.get("SPECDEC_TARGET", assets.DEFAULT_TARGET),
+                        help=f"target model: built-in name ({models}), .gguf file or HF directory [SPECDEC_TARGET]")
+    parser.add_argument("--draft", default=env.get("SPECDEC_DRAFT", assets.DEFAULT_DRAFT),
+                        help="draft model, same forms as --target [SPECDEC_DRAFT]")
+    parser.add_argument("--cache-dir", type=Path, default=assets.default_cache_dir(),
+                        help="where downloads and converted models are kept [SPECDEC_CACHE_DIR, ~/.cache/specdec]")
+    parser.add_argument("--address", default=env.get("SPECDEC_ADDRESS", "127.0.0.1"),
+                        help="address to listen on; 0.0.0.0 in containers [SPECDEC_ADDRESS]")
+    parser.add_argument("--http-port", type=int, default=int(env.get("SPECDEC_HTTP_PORT", 8000)))
+    parser.add_argument("--grpc-port", type=int, default=int(env.get("SPECDEC_GRPC_PORT", 8001)))
+    parser.add_argument("--metrics-port", type=int, default=int(env.get("SPECDEC_METRICS_PORT", 8002)))
+    parser.add_argument("--model-repository", type=Path,
+                        default=Path(env.get("SPECDEC_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")))
+    parser.add_argument("--log-verbose", type=int, default=0)
+    args = parser.parse_args(argv)
+    return ServerOptions(
+        target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
+        address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = _parse_args(argv)
+    try:
+        pair = prepare(options)
+    except (assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound) as error:
+        print(f"specdec-serve: {error}", file=sys.stderr)
+        return 2
+    print(f"specdec: starting tritonserver (target {pair.target_dir.name}, draft {pair.draft_dir.name})", flush=True)
+    process = start(options, pair)
+
+    def forward(signum, _frame):
+        process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        wait_until_ready(process, options)
+    except (RuntimeError, TimeoutError) as error:
+        print(f"specdec-serve: {error}", file=sys.stderr)
+        process.terminate()
+        process.wait()
+        return 1
+    print(
+        f"specdec: ready - gRPC {options.address}:{options.grpc_port}, HTTP {options.address}:{options.http_port}, "
+        f"metrics {options.address}:{options.metrics_port} - try: "
+        f".venv/bin/specdec-client --url localhost:{options.grpc_port} 'def fibonacci(n):'",
+        flush=True,
+    )
+    return process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import pytest
+
+from coordinator.config import CoordinatorSettings, SettingsError, expand_env
+
+
+def test_parameters_parse_with_env_expansion_and_overrides():
+    settings = CoordinatorSettings.from_parameters(
+        {"speculation_window": "5", "fallback_threshold": "0.3", "tokenizer_dir": "${TOK}/x"},
+        {"TOK": "/data", "SPECDEC_SPECULATION_WINDOW": "3"},
+    )
+    assert settings.speculation_window == 3  # environment overrides the config file
+    assert settings.fallback_threshold == 0.3
+    assert settings.tokenizer_dir == "/data/x"
+
+
+@pytest.mark.parametrize(
+    "parameters,message",
+    [
+        ({"speculation_window": "17"}, "speculation_window must be between 0 and 16"),
+        ({"fallback_threshold": "1.5"}, "fallback_threshold must be between 0 and 1"),
+        ({"speculation_window": "five"}, "speculation_window must be int"),
+        ({"max_tokens_limit": "64"}, "default_max_tokens must be between 1 and max_tokens_limit"),
+        ({"speculation_windw": "5"}, "unknown coordinator parameter(s): speculation_windw"),
+        ({"tokenizer_dir": "${NOPE}"}, "needs environment variable NOPE"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_reason(parameters, message):
+    with pytest.raises(SettingsError) as error:
+        CoordinatorSettings.from_parameters(parameters, {})
+    assert message in str(error.value)
+
+
+def test_expand_env_leaves_plain_values_alone():
+    assert expand_env("float32", {}, "dtype") == "float32"

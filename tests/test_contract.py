@@ -1,0 +1,88 @@
+"""The engine tensor contract (coordinator/contract.py) against every profile's
+engine configs: each tensor the coordinator sends to `target` or `draft`, and
+each output it reads, is declared with the same data type and compatible dims,
+so the one coordinator drives the CPU engine and TensorRT-LLM alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._config_helpers import data_type_name, engine_names, model_config, parameter, profiles
+from coordinator.contract import ENGINE_INPUTS, ENGINE_OUTPUTS, REQUIRED_ENGINE_PARAMETERS, TensorSpec
+
+CASES = [(profile, role) for profile in profiles() for role in ("target", "draft")]
+IDS = [f"{profile}-{role}" for profile, role in CASES]
+
+
+def dims_compatible(declared: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Same rank; a fixed size must match unless either side is variable (-1)."""
+    return len(declared) == len(expected) and all(
+        d == e or d == -1 or e == -1 for d, e in zip(declared, expected)
+    )
+
+
+def mismatches(specs: dict[str, TensorSpec], declared) -> list[str]:
+    by_name = {tensor.name: tensor for tensor in declared}
+    problems = []
+    for name, spec in specs.items():
+        tensor = by_name.get(name)
+        if tensor is None:
+            problems.append(f"{name}: not declared")
+            continue
+        data_type = data_type_name(tensor.data_type)
+        if data_type != spec.data_type:
+            problems.append(f"{name}: {data_type}, the coordinator uses {spec.data_type}")
+        dims = tuple(tensor.dims)
+        if not dims_compatible(dims, spec.dims):
+            problems.append(f"{name}: dims {list(dims)}, the coordinator uses {list(spec.dims)}")
+    return problems
+
+
+def test_dims_compatible():
+    assert dims_compatible((-1,), (-1,))
+    assert dims_compatible((1,), (1,))
+    assert dims_compatible((-1, -1), (4, -1))
+    assert not dims_compatible((1,), (-1, -1))
+    assert not dims_compatible((2,), (1,))
+
+
+def test_both_profiles_present():
+    assert {"cpu", "trtllm"} <= set(profiles())
+
+
+@pytest.mark.parametrize(("profile", "role"), CASES, ids=IDS)
+def test_engine_declares_every_input_the_coordinator_sends(profile, role):
+    config = model_config(engine_names(profile)[role], profile)
+    problems = mismatches(ENGINE_INPUTS, config.input)
+    assert not problems, f"{config.name} ({profile}) inputs: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize(("profile", "role"), CASES, ids=IDS)
+def test_engine_declares_every_output_the_coordinator_reads(profile, role):
+    config = model_config(engine_names(profile)[role], profile)
+    problems = mismatches(ENGINE_OUTPUTS, config.output)
+    assert not problems, f"{config.name} ({profile}) outputs: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize(("profile", "role"), CASES, ids=IDS)
+def test_engine_requires_nothing_the_coordinator_does_not_send(profile, role):
+    config = model_config(engine_names(profile)[role], profile)
+    required = {tensor.name for tensor in config.input if not tensor.optional}
+    assert required <= set(ENGINE_INPUTS), f"{config.name} ({profile}) requires {sorted(required - set(ENGINE_INPUTS))}"
+
+
+@pytest.mark.parametrize(("profile", "role"), CASES, ids=IDS)
+def test_engine_parameters_the_coordinator_relies_on(profile, role):
+    config = model_config(engine_names(profile)[role], profile)
+    for key, value in REQUIRED_ENGINE_PARAMETERS.items():
+        assert parameter(config, key) == value, f"{config.name} ({profile}): {key} must be {value!r}"
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_engines_are_called_the_same_way_in_every_profile(role):
+    """Batch dim on the wire and one response per request: the coordinator builds
+    the same BLS request for every profile, so these must agree."""
+    configs = {profile: model_config(engine_names(profile)[role], profile) for profile in profiles()}
+    for profile, config in configs.items():
+        assert config.max_batch_size >= 1, f"{config.name} ({profile}): the contract assumes a batch dim"
+        assert not config.model_transaction_policy.decoupled, f"{config.name} ({profile}) must not be decoupled"

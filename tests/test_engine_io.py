@@ -1,0 +1,31 @@
+import numpy as np
+import pytest
+
+from coordinator.contract import ENGINE_INPUTS
+from coordinator.engine_io import engine_inputs, generated_tokens
+from coordinator.sampling import SamplingParams
+
+
+def test_inputs_follow_the_contract_with_a_batch_dimension():
+    tensors = engine_inputs([5, 6, 7], 4, SamplingParams(temperature=0.8, top_k=3, seed=9), end_id=2, pad_id=1,
+                            draft_tokens=[8, 9, 10])
+    for name, array in tensors.items():
+        spec = ENGINE_INPUTS[name]
+        assert array.dtype == np.dtype(spec.numpy_dtype), name
+        assert array.ndim == len(spec.dims) + 1 and array.shape[0] == 1, name
+    assert tensors["input_ids"].tolist() == [[5, 6, 7]]
+    assert tensors["draft_input_ids"].tolist() == [[8, 9, 10]]
+    assert tensors["runtime_top_k"].tolist() == [[3]]
+    assert tensors["random_seed"].tolist() == [[9]]
+
+
+def test_greedy_is_sent_as_top_k_one_and_empty_draft_is_never_sent():
+    tensors = engine_inputs([1], 1, SamplingParams(), end_id=2, pad_id=1, draft_tokens=[])
+    assert "draft_input_ids" not in tensors
+    assert tensors["runtime_top_k"].tolist() == [[1]] and tensors["temperature"].tolist() == [[1.0]]
+
+
+def test_generated_tokens_reads_beam_zero_up_to_sequence_length():
+    assert generated_tokens(np.array([[[4, 5, 6, 0]]]), np.array([[3]])) == [4, 5, 6]
+    with pytest.raises(ValueError):
+        generated_tokens(np.array([[[4]]]), np.array([[2]]))

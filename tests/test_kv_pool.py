@@ -1,0 +1,30 @@
+import numpy as np
+
+from coordinator.cpu_engine.kv_pool import PrefixCachePool
+
+
+def test_takes_longest_common_prefix_and_keeps_last_token_for_recompute():
+    pool = PrefixCachePool(4)
+    pool.put(np.array([1, 2, 3]), "a")
+    pool.put(np.array([1, 2, 3, 4, 5]), "b")
+    pool.put(np.array([9, 9]), "c")
+    cache, n = pool.take(np.array([1, 2, 3, 4, 5, 6]))
+    assert (cache, n) == ("b", 5)
+    cache, n = pool.take(np.array([1, 2, 3]))  # "b" was taken; "a" matches fully but the last token is recomputed
+    assert (cache, n) == ("a", 2)
+    assert pool.take(np.array([7])) == (None, 0)
+
+
+def test_bounded_with_lru_eviction():
+    pool = PrefixCachePool(2)
+    for i in range(3):
+        pool.put(np.array([i, i]), str(i))
+    assert len(pool) == 2
+    assert pool.take(np.array([0, 0, 1])) == (None, 0)  # oldest evicted
+    assert pool.take(np.array([2, 2, 1]))[0] == "2"
+
+
+def test_capacity_zero_disables_reuse():
+    pool = PrefixCachePool(0)
+    pool.put(np.array([1, 2]), "a")
+    assert pool.take(np.array([1, 2, 3])) == (None, 0)

@@ -1,0 +1,73 @@
+import numpy as np
+import pytest
+
+from coordinator.config import CoordinatorSettings
+from coordinator.request import InputError, check_context, parse_request
+
+SETTINGS = CoordinatorSettings(speculation_window=5, max_tokens_limit=1024, max_context_tokens=4096)
+
+
+def parse(**inputs):
+    raw = {k: (np.asarray(v) if v is not None else None) for k, v in inputs.items()}
+    return parse_request(raw, SETTINGS, new_seed=lambda: 42)
+
+
+def test_defaults():
+    request = parse(text_input=np.array([b"def f():"], dtype=object))
+    assert request.prompt == "def f():"
+    assert request.max_tokens == 128
+    assert request.speculation_window == 5
+    assert request.sampling.greedy and request.sampling.seed == 42
+    assert not request.stream and request.stop_words == ()
+
+
+def test_all_fields():
+    request = parse(
+        text_input=np.array([b"x"], dtype=object),
+        max_tokens=np.array([7], np.int32),
+        speculation_window=np.array([0], np.int32),
+        temperature=np.array([0.5], np.float32),
+        top_k=np.array([10], np.int32),
+        top_p=np.array([0.9], np.float32),
+        random_seed=np.array([2**63 + 5], np.uint64),
+        stop_words=np.array([b"\n\n", b"def "], dtype=object),
+        stream=np.array([True]),
+    )
+    assert (request.max_tokens, request.speculation_window, request.stream) == (7, 0, True)
+    assert request.sampling.seed == 2**63 + 5 and not request.sampling.greedy
+    assert request.stop_words == ("\n\n", "def ")
+
+
+@pytest.mark.parametrize(
+    "inputs,message",
+    [
+        ({}, "text_input is required"),
+        ({"text_input": np.array([b""], dtype=object)}, "text_input is empty"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=object)}, "text_input is not valid UTF-8"),
+        ({"text_input": np.array([b"a", b"b"], dtype=object)}, "text_input must hold exactly one element"),
+        ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be between 1 and 1024, got 0"),
+        ({"max_tokens": np.array([1025], np.int32)}, "max_tokens must be between 1 and 1024, got 1025"),
+        ({"speculation_window": np.array([-1], np.int32)}, "speculation_window must be between 0 and 5"),
+        ({"speculation_window": np.array([6], np.int32)}, "the server's speculation_window"),
+        ({"temperature": np.array([-0.1], np.float32)}, "temperature must be between 0 and 100"),
+        ({"temperature": np.array([np.nan], np.float32)}, "temperature must be a finite number"),
+        ({"top_k": np.array([-1], np.int32)}, "top_k must be between 0"),
+        ({"top_p": np.array([0.0], np.float32)}, "top_p must be in (0, 1]"),
+        ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
+        ({"stop_words": np.array([b"x"] * 17, dtype=object)}, "stop_words may hold at most 16"),
+        ({"bogus": np.array([1])}, "unknown input(s) bogus"),
+    ],
+)
+def test_bad_input_names_the_field_and_the_limit(inputs, message):
+    inputs = {"text_input": np.array([b"ok"], dtype=object), **inputs}
+    if message == "text_input is required":
+        inputs.pop("text_input")
+    with pytest.raises(InputError) as error:
+        parse(**inputs)
+    assert message in str(error.value)
+
+
+def test_context_limit():
+    check_context(4000, 96, SETTINGS)
+    with pytest.raises(InputError, match="text_input is 4001 tokens; with max_tokens 96 .* 4096"):
+        check_context(4001, 96, SETTINGS)
