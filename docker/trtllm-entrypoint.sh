@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Entry point of the trtllm-profile image: checks the mounted engines, then starts
+# Triton with the trtllm configs (model_repository/<model>/configs/trtllm.pbtxt).
+#
+# Engines are mounted at ${SPECDEC_ENGINE_DIR} (default /opt/specdec/engines) as
+# written by docker/build_engines.sh: target/, draft/, tokenizer/, build-info.json.
+# Extra arguments are passed to tritonserver (e.g. --log-verbose=1).
+set -euo pipefail
+
+ENGINE_DIR="${SPECDEC_ENGINE_DIR:-/opt/specdec/engines}"
+MODEL_REPOSITORY="${SPECDEC_MODEL_REPOSITORY:-/opt/specdec/model_repository}"
+export SPECDEC_TOKENIZER_DIR="${SPECDEC_TOKENIZER_DIR:-${ENGINE_DIR}/tokenizer}"
+
+die() {
+    echo "specdec-trtllm: error: $*" >&2
+    exit 1
+}
+
+# The tensorrtllm configs point at /opt/specdec/engines/{target,draft}.
+if [ "${ENGINE_DIR}" != "/opt/specdec/engines" ]; then
+    die "engines must be mounted at /opt/specdec/engines (the path in configs/trtllm.pbtxt)"
+fi
+for engine in target draft; do
+    [ -f "${ENGINE_DIR}/${engine}/config.json" ] \
+        || die "no ${engine} engine in ${ENGINE_DIR}/${engine}: build it with docker/build_engines.sh and mount the output at ${ENGINE_DIR}"
+done
+for file in tokenizer.json special_tokens.json; do
+    [ -f "${SPECDEC_TOKENIZER_DIR}/${file}" ] \
+        || die "no ${file} in ${SPECDEC_TOKENIZER_DIR} (written by docker/build_engines.sh)"
+done
+
+# Engines load only in the TensorRT-LLM version that built them.
+if [ -f "${ENGINE_DIR}/build-info.json" ]; then
+    built="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["tensorrt_llm_version"])' "${ENGINE_DIR}/build-info.json")"
+    installed="$(python3 -c 'from importlib.metadata import version; print(version("tensorrt_llm"))')"
+    [ "${built}" = "${installed}" ] \
+        || die "engines were built with TensorRT-LLM ${built}, this image has ${installed}: rebuild them"
+fi
+
+# Two TensorRT-LLM models in one server need orchestrator mode: each model's
+# executor runs in a worker process spawned through MPI (as NVIDIA's
+# launch_triton_server.py --multi-model does), hence mpirun -n 1.
+export TRTLLM_ORCHESTRATOR=1
+export TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1
+
+cuda_pools=()
+gpu_count="$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)"
+for ((gpu = 0; gpu < gpu_count; gpu++)); do
+    cuda_pools+=("--cuda-memory-pool-byte-size=${gpu}:0")
+done
+
+exec mpirun --allow-run-as-root -n 1 \
+    tritonserver \
+    --model-repository="${MODEL_REPOSITORY}" \
+    --model-config-name=trtllm \
+    --disable-auto-complete-config \
+    --http-port=8000 \
+    --grpc-port=8001 \
+    --metrics-port=8002 \
+    --pinned-memory-pool-byte-size=0 \
+    --enable-peer-access=false \
+    "${cuda_pools[@]}" \
+    --backend-config=python,shm-region-prefix-name=specdec_ \
+    "$@"
