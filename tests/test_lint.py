@@ -14,13 +14,24 @@ import pytest
 
 from tests._config_helpers import ROOT
 
-SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", "build", "dist"}
+SKIP_DIRS = {".git", "node_modules", "__pycache__", ".pytest_cache", "build", "dist"}
 
 
-def repo_files():
-    for path in sorted(ROOT.rglob("*")):
-        if path.is_file() and not SKIP_DIRS.intersection(path.relative_to(ROOT).parts):
-            yield path
+def repo_files() -> list[Path]:
+    """The project's own files: tracked or not ignored by git (virtual envs and
+    tool caches are ignored); without git, a walk that skips such directories."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=ROOT, capture_output=True, check=True, timeout=30,
+        ).stdout.decode()
+        paths = [ROOT / name for name in listed.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [
+            p for p in ROOT.rglob("*")
+            if not any(part in SKIP_DIRS or part.startswith(".venv") for part in p.relative_to(ROOT).parts)
+        ]
+    return sorted(p for p in paths if p.is_file())
 
 
 def is_shell_script(path: Path) -> bool:
