@@ -238,7 +238,7 @@ if [ "${DRY_RUN}" != "1" ]; then
             *) die "fp8 needs compute capability >= 8.9 (H100: 9.0); this GPU reports '${capability}' (A100 is 8.0: use bfloat16)" ;;
         esac
         python3 -c 'import datasets' 2>/dev/null \
-            || die "fp8 calibration needs the 'datasets' package: pip install -r \$TRTLLM_EXAMPLES_DIR/examples/quantization/requirements.txt"
+            || die "fp8 calibration needs the 'datasets' package: pip install --user datasets==3.2.0 first (README, Deploying on GPUs)"
     fi
 fi
 
