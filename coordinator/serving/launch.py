@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import site
 import subprocess
@@ -35,6 +36,7 @@ class ServerOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     log_verbose: int = 0
+    triton_args: list[str] = field(default_factory=list)  # appended to tritonserver's command line
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -70,6 +72,7 @@ def server_command(options: ServerOptions, install: tritonserver.TritonInstall) 
         f"--grpc-port={options.grpc_port}",
         f"--metrics-port={options.metrics_port}",
         f"--log-verbose={options.log_verbose}",
+        *options.triton_args,
     ]
 
 
@@ -119,9 +122,14 @@ def wait_until_ready(process: subprocess.Popen, options: ServerOptions, timeout:
 
 def _parse_args(argv: list[str] | None) -> ServerOptions:
     env = os.environ
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         prog="specdec-serve",
-        description="Run the speculative-decoding Triton server (cpu profile) in the foreground.",
+        usage="specdec-serve [options] [-- extra tritonserver arguments]",
+        description="Run the speculative-decoding Triton server (cpu profile) in the foreground. "
+        "Arguments after -- (and SPECDEC_TRITON_ARGS) are appended to tritonserver's command line.",
     )
     models = ", ".join(assets.BUILTIN_MODELS)
     parser.add_argument("--target", default=env.get("SPECDEC_TARGET", assets.DEFAULT_TARGET),
@@ -143,6 +151,7 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+        triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
     )
 
 
