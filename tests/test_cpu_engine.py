@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError  # noqa: E402
+from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError, resolve_dtype  # noqa: E402
 from coordinator.sampling import SamplingParams  # noqa: E402
 from tests.tiny_models import write_tiny_qwen2  # noqa: E402
 
@@ -94,3 +94,25 @@ def test_cache_pool_is_bounded(model_dir):
     for start in range(5):
         e.run(EngineRequest(np.array([start + 1, 7, 8]), 2))
     assert len(e.pool) == 2
+
+
+def test_auto_dtype_follows_native_bf16_support():
+    assert resolve_dtype("auto", "flags\t: fpu avx2 avx512f amx_bf16 amx_tile") == "bfloat16"
+    assert resolve_dtype("auto", "flags\t: fpu avx2 fma") == "float32"
+    assert resolve_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+        resolve_dtype("int4")
+
+
+@pytest.mark.parametrize("rows", [0, 4])
+def test_verification_matches_plain_decoding_with_and_without_fixed_rows(model_dir, rows):
+    """Bitwise equality holds for shapes whose kernels are row-invariant; on this
+    tiny model that is 4 rows (with 8, fp32 GEMM tail tiles round differently at
+    1e-8). The real model pair is checked at the configured 8 rows end to end."""
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, decode_rows=rows)
+    plain = e.run(EngineRequest(PROMPT, 10, return_logits=True))
+    # verify the plain tokens 6 at a time (more than 4 rows: two padded blocks)
+    verified = e.run(EngineRequest(PROMPT, 7, draft_tokens=np.array(plain.tokens[:6]), return_logits=True))
+    assert verified.tokens == plain.tokens[:7]
+    if rows:  # fixed-shape forwards: bitwise-equal logits however the tokens were batched
+        assert np.array_equal(verified.logits, plain.logits[:7])

@@ -27,6 +27,7 @@ KNOWN_PARAMETERS = {
     "max_context_tokens",
     "exclude_input_in_output",
     "enable_kv_cache_reuse",
+    "decode_rows",
 }
 
 
@@ -47,6 +48,7 @@ class TritonPythonModel:
             num_threads=int(params.get("num_threads", "0")),
             max_cached_sequences=int(params.get("max_cached_sequences", "8")) if reuse else 0,
             max_context_tokens=int(params.get("max_context_tokens", "4096")),
+            decode_rows=int(params.get("decode_rows", "0")),
         )
         self.name = args["model_name"]
 
