@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast tools clean-venv
+.PHONY: serve test test-fast bench tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 
 serve: $(STAMP)
 	$(VENV)/bin/specdec-serve
+
+# Speculative vs plain decoding side by side against a running `make serve`.
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(VENV)/bin/specdec-bench $(BENCH_ARGS)
 
 # Lint/check tools that are not Python packages (installed idempotently).
 tools:
