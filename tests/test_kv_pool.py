@@ -3,7 +3,7 @@ import numpy as np
 from coordinator.cpu_engine.kv_pool import PrefixCachePool
 
 
-def test_takes_longest_common_prefix_and_keeps_last_token_for_recompute():
+def test_takes_longest_whole_prefix_and_keeps_last_token_for_recompute():
     pool = PrefixCachePool(4)
     pool.put(np.array([1, 2, 3]), "a")
     pool.put(np.array([1, 2, 3, 4, 5]), "b")
@@ -13,6 +13,13 @@ def test_takes_longest_common_prefix_and_keeps_last_token_for_recompute():
     cache, n = pool.take(np.array([1, 2, 3]))  # "b" was taken; "a" matches fully but the last token is recomputed
     assert (cache, n) == ("a", 2)
     assert pool.take(np.array([7])) == (None, 0)
+
+
+def test_entries_that_only_share_a_preamble_are_not_reused():
+    pool = PrefixCachePool(4)
+    pool.put(np.array([1, 2, 3, 4]), "other prompt")
+    assert pool.take(np.array([1, 2, 3, 9, 9])) == (None, 0)
+    assert len(pool) == 1
 
 
 def test_bounded_with_lru_eviction():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from coordinator.cpu_engine import attention as attention_module
 from coordinator.cpu_engine.kv_pool import PrefixCachePool
 from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
 
@@ -87,10 +88,9 @@ class CausalLMEngine:
         self.decode_rows = decode_rows
         if num_threads > 0:
             torch.set_num_threads(num_threads)
-        # Fixed-row decoding needs attention whose per-row result does not depend
-        # on the block's other rows; eager attention was row-invariant in every
-        # dtype tried, SDPA not in float32 on small heads.
-        attention = {"attn_implementation": "eager"} if decode_rows > 0 else {}
+        # Fixed-row decoding also needs attention whose per-row result does not
+        # depend on the rest of the block (see coordinator/cpu_engine/attention.py).
+        attention = {"attn_implementation": attention_module.NAME} if decode_rows > 0 else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[self.dtype], **attention)
         self.model.eval()
         self.vocab_size = int(self.model.config.vocab_size)

@@ -29,24 +29,25 @@ class PrefixCachePool:
         return len(self._entries)
 
     def take(self, tokens: np.ndarray) -> tuple[Any | None, int]:
-        """Remove and return (cache, reusable length) for the best entry.
+        """Remove and return (cache, reusable length) for the longest entry
+        whose tokens are a prefix of ``tokens``.
 
-        The reusable length is at most ``len(tokens) - 1``: the last token is
+        Only whole-entry prefixes are reused, which is exactly what the rounds
+        of one sequence produce. An entry that merely shares some leading
+        tokens (another prompt with the same preamble) is not: its KV for those
+        positions was computed in a differently shaped forward, and reusing it
+        would let rounding differ between otherwise identical requests. The
+        reusable length is at most ``len(tokens) - 1``: the last token is
         always recomputed so the engine gets its logits.
         """
         best_key, best_len = None, 0
         for key, (cached, _) in self._entries.items():
-            n = min(len(cached), len(tokens) - 1)
-            if n <= best_len:
-                continue
-            mismatch = np.flatnonzero(cached[:n] != tokens[:n])
-            common = int(mismatch[0]) if mismatch.size else n
-            if common > best_len:
-                best_key, best_len = key, common
+            if best_len < len(cached) <= len(tokens) and np.array_equal(cached, tokens[: len(cached)]):
+                best_key, best_len = key, len(cached)
         if best_key is None:
             return None, 0
         _, cache = self._entries.pop(best_key)
-        return cache, best_len
+        return cache, min(best_len, len(tokens) - 1)
 
     def put(self, tokens: np.ndarray, cache: Any) -> None:
         if self.capacity == 0 or len(tokens) == 0:
