@@ -14,6 +14,9 @@ path to keep memory bounded.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from transformers import AttentionInterface
 
@@ -21,23 +24,38 @@ NAME = "specdec_row_invariant"
 ROW_BY_ROW_MAX_QUERIES = 16
 PREFILL_CHUNK = 256
 
+# Rows of the current block that carry real tokens; the rest is padding whose
+# outputs are discarded (and which no real row can attend to: it comes last).
+_real_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("real_rows", default=None)
+
+
+@contextlib.contextmanager
+def real_rows(count: int):
+    token = _real_rows.set(count)
+    try:
+        yield
+    finally:
+        _real_rows.reset(token)
+
 
 def row_invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None,
                             **kwargs):
     """query [b, heads, q, d]; key/value [b, kv_heads, kv, d] (the cache plus this block)."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    queries, keys = query.shape[2], key.shape[2]
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # [b, kv_heads, groups, q, d] against [b, kv_heads, 1, kv, d]: grouped-query attention without copies
+    query = query.view(batch, kv_heads, groups, queries, dim)
+    key, value = key.unsqueeze(2), value.unsqueeze(2)
     offset = keys - queries  # absolute position of the block's first row
+    computed = queries if _real_rows.get() is None else min(_real_rows.get(), queries)
     step = 1 if queries <= ROW_BY_ROW_MAX_QUERIES else PREFILL_CHUNK
     outputs = []
-    for start in range(0, queries, step):
-        stop = min(start + step, queries)
+    for start in range(0, computed, step):
+        stop = min(start + step, computed)
         end = offset + stop  # keys visible to the chunk's last row
         first = 0 if sliding_window is None else max(0, offset + start - sliding_window + 1)
-        scores = torch.matmul(query[:, :, start:stop], key[:, :, first:end].transpose(-1, -2)) * scaling
+        scores = torch.matmul(query[:, :, :, start:stop], key[:, :, :, first:end].transpose(-1, -2)) * scaling
         if stop - start > 1:
             rows = torch.arange(offset + start, offset + stop).unsqueeze(1)
             cols = torch.arange(first, end).unsqueeze(0)
@@ -46,8 +64,11 @@ def row_invariant_attention(module, query, key, value, attention_mask, scaling, 
                 hidden |= cols <= rows - sliding_window
             scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-        outputs.append(torch.matmul(probs, value[:, :, first:end]))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+        outputs.append(torch.matmul(probs, value[:, :, :, first:end]))
+    if computed < queries:
+        outputs.append(query.new_zeros(batch, kv_heads, groups, queries - computed, dim))
+    output = torch.cat(outputs, dim=3).view(batch, heads, queries, dim)
+    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, row_invariant_attention)

@@ -19,6 +19,17 @@ from coordinator.cpu_engine.kv_pool import PrefixCachePool
 from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Parameters of configs/cpu.pbtxt this engine understands.
+KNOWN_PARAMETERS = {
+    "model_dir",
+    "dtype",
+    "num_threads",
+    "max_cached_sequences",
+    "max_context_tokens",
+    "exclude_input_in_output",
+    "enable_kv_cache_reuse",
+    "decode_rows",
+}
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 
 
@@ -165,7 +176,8 @@ class CausalLMEngine:
         for start in range(0, len(tokens), rows):
             block = list(tokens[start : start + rows])
             real = len(block)
-            blocks.append(self._forward(block + [0] * (rows - real), cache)[:real])
+            with attention_module.real_rows(real):
+                blocks.append(self._forward(block + [0] * (rows - real), cache)[:real])
             if real < rows:
                 cache.crop(real - rows)
         return torch.cat(blocks)

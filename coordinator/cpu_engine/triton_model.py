@@ -13,22 +13,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator.config import expand_env
-from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError
+from coordinator.cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from coordinator.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# Parameters of configs/cpu.pbtxt this engine understands.
-KNOWN_PARAMETERS = {
-    "model_dir",
-    "dtype",
-    "num_threads",
-    "max_cached_sequences",
-    "max_context_tokens",
-    "exclude_input_in_output",
-    "enable_kv_cache_reuse",
-    "decode_rows",
-}
 
 
 class TritonPythonModel:

@@ -1,0 +1,36 @@
+"""Consistency of the cpu profile's engine settings with the coordinator's."""
+
+from coordinator.config import CoordinatorSettings
+from coordinator.cpu_engine.engine import KNOWN_PARAMETERS
+from tests._config_helpers import COORDINATOR, model_config, parameter
+
+COORDINATOR_CPU = model_config(COORDINATOR, "cpu")
+
+
+def coordinator_settings() -> CoordinatorSettings:
+    params = {k: v.string_value for k, v in COORDINATOR_CPU.parameters.items()}
+    return CoordinatorSettings.from_parameters(params, {"SPECDEC_TOKENIZER_DIR": "/tokenizer"})
+
+
+def test_coordinator_cpu_config_parses_into_settings():
+    settings = coordinator_settings()
+    assert settings.speculation_window == 5 and settings.fallback_threshold == 0.3
+
+
+def test_engines_declare_only_parameters_the_cpu_engine_knows():
+    for name in ("target", "draft"):
+        assert set(model_config(name, "cpu").parameters) <= KNOWN_PARAMETERS, name
+
+
+def test_target_decode_rows_cover_a_full_round():
+    # a verify forward carries the last token plus speculation_window drafts
+    rows = int(parameter(model_config("target", "cpu"), "decode_rows"))
+    assert rows >= coordinator_settings().speculation_window + 1
+
+
+def test_engine_context_covers_the_coordinator_limit():
+    limit = coordinator_settings().max_context_tokens
+    for name in ("target", "draft"):
+        engine_limit = int(parameter(model_config(name, "cpu"), "max_context_tokens"))
+        # a verify round may need speculation_window + 1 tokens beyond the context
+        assert engine_limit >= limit, name
