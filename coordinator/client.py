@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except queue.Empty:
         print("\nspecdec-client: timed out waiting for the server", file=sys.stderr)
         return 1
-    print(file=sys.stderr)
+    print(flush=True)  # end the completion's line on stdout
     print(
         f"[{completion.completion_tokens} tokens in {completion.seconds:.2f} s = {completion.tokens_per_second:.2f} tok/s; "
         f"first text after {completion.time_to_first_chunk or 0:.2f} s; acceptance {completion.acceptance_rate:.2f} "
