@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from coordinator.cpu_engine import attention as attention_module
 from coordinator.cpu_engine.kv_pool import PrefixCachePool
+from coordinator.cpu_engine.quantize import check_scheme, quantize_linear_layers
 from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,7 @@ KNOWN_PARAMETERS = {
     "exclude_input_in_output",
     "enable_kv_cache_reuse",
     "decode_rows",
+    "weight_quantization",
 }
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 
@@ -92,10 +94,14 @@ class CausalLMEngine:
         max_cached_sequences: int = 8,
         max_context_tokens: int = 4096,
         decode_rows: int = 0,
+        weight_quantization: str = "none",
     ):
         self.dtype = resolve_dtype(dtype)
         if decode_rows < 0:
             raise ValueError(f"decode_rows must be >= 0, got {decode_rows}")
+        # none, int8 or int4 weight-only linear layers (coordinator/cpu_engine/quantize.py):
+        # for the draft, whose precision only changes the acceptance rate.
+        self.weight_quantization = check_scheme(weight_quantization)
         self.decode_rows = decode_rows
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -104,6 +110,7 @@ class CausalLMEngine:
         attention = {"attn_implementation": attention_module.NAME} if decode_rows > 0 else {}
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[self.dtype], **attention)
         self.model.eval()
+        self.quantized_layers = quantize_linear_layers(self.model, weight_quantization)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context_tokens = max_context_tokens
         self.pool = PrefixCachePool(max_cached_sequences)

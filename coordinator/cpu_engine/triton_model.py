@@ -37,6 +37,7 @@ class TritonPythonModel:
             max_cached_sequences=int(params.get("max_cached_sequences", "8")) if reuse else 0,
             max_context_tokens=int(params.get("max_context_tokens", "4096")),
             decode_rows=int(params.get("decode_rows", "0")),
+            weight_quantization=params.get("weight_quantization", "none"),
         )
         self.name = args["model_name"]
 
