@@ -24,6 +24,13 @@ class Completion:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     acceptance_rate: float = 0.0
+    speculative_rounds: int = 0
+    plain_rounds: int = 0
+    rejected_rounds: int = 0
+    draft_seconds: float = 0.0  # server-side time in draft calls
+    verify_seconds: float = 0.0  # server-side time in target calls that verified drafts
+    plain_seconds: float = 0.0  # server-side time in plain target steps
+    fallback_reason: str = ""
     seconds: float = 0.0
     time_to_first_chunk: float | None = None
     deltas: list[str] = field(default_factory=list)
@@ -35,7 +42,8 @@ class Completion:
 
 def build_inputs(prompt: str, max_tokens: int, *, speculation_window: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop_words: list[str] | None = None, stream: bool = True) -> list[grpcclient.InferInput]:
+                 stop_words: list[str] | None = None, stream: bool = True, adaptive_window: bool | None = None,
+                 draft_temperature: float | None = None) -> list[grpcclient.InferInput]:
     arrays: dict[str, np.ndarray] = {
         "text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
         "max_tokens": np.array([max_tokens], dtype=np.int32),
@@ -43,6 +51,10 @@ def build_inputs(prompt: str, max_tokens: int, *, speculation_window: int | None
     }
     if speculation_window is not None:
         arrays["speculation_window"] = np.array([speculation_window], dtype=np.int32)
+    if adaptive_window is not None:
+        arrays["adaptive_window"] = np.array([adaptive_window], dtype=bool)
+    if draft_temperature is not None:
+        arrays["draft_temperature"] = np.array([draft_temperature], dtype=np.float32)
     if temperature is not None:
         arrays["temperature"] = np.array([temperature], dtype=np.float32)
     if top_k is not None:
@@ -97,12 +109,27 @@ def stream_completion(client: grpcclient.InferenceServerClient, inputs, on_delta
                 completion.draft_tokens = int(result.as_numpy("total_draft_tokens")[0])
                 completion.accepted_draft_tokens = int(result.as_numpy("total_accepted_draft_tokens")[0])
                 completion.acceptance_rate = float(result.as_numpy("acceptance_rate")[0])
+                _read_round_stats(result, completion)
             if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
                 break
     finally:
         client.stop_stream()
     completion.seconds = time.perf_counter() - start
     return completion
+
+
+def _read_round_stats(result, completion: Completion) -> None:
+    for name in ("speculative_rounds", "plain_rounds", "rejected_rounds"):
+        value = result.as_numpy(name)
+        if value is not None:
+            setattr(completion, name, int(value.reshape(-1)[0]))
+    for name in ("draft_seconds", "verify_seconds", "plain_seconds"):
+        value = result.as_numpy(name)
+        if value is not None:
+            setattr(completion, name, float(value.reshape(-1)[0]))
+    reason = result.as_numpy("fallback_reason")
+    if reason is not None and reason.size:
+        completion.fallback_reason = reason.reshape(-1)[0].decode("utf-8", "replace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ MAX_SPECULATION_WINDOW = 16
 ENV_OVERRIDES = {
     "speculation_window": "SPECDEC_SPECULATION_WINDOW",
     "fallback_threshold": "SPECDEC_FALLBACK_THRESHOLD",
+    "adaptive_window": "SPECDEC_ADAPTIVE_WINDOW",
 }
 
 
@@ -29,6 +30,9 @@ class SettingsError(ValueError):
 class CoordinatorSettings:
     speculation_window: int = 5
     fallback_threshold: float = 0.3
+    # Let the cost model pick the window (1..speculation_window) or plain
+    # decoding each round; false drafts speculation_window tokens every round.
+    adaptive_window: bool = True
     target_model_name: str = "target"
     draft_model_name: str = "draft"
     max_tokens_limit: int = 1024
@@ -71,10 +75,22 @@ class CoordinatorSettings:
         for name, text in raw.items():
             kind = known[name].type
             try:
-                values[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
+                values[name] = _convert(text, kind)
             except ValueError:
                 raise SettingsError(f"coordinator parameter {name} must be {kind}, got {text!r}") from None
         return cls(**values)
+
+
+def _convert(text: str, kind: str):
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        if text.strip().lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.strip().lower() == "true"
+    return text
 
 
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

@@ -56,3 +56,12 @@ def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> lis
     if not 0 <= length <= ids.size:
         raise ValueError(f"sequence_length {length} is outside output_ids of size {ids.size}")
     return [int(t) for t in ids[:length]]
+
+
+def generation_logits(logits: np.ndarray, tokens: int) -> np.ndarray:
+    """Beam 0's logits [tokens, vocab] from ``generation_logits`` [1, beam, n, vocab] (or [1, n, vocab])."""
+    array = np.asarray(logits, dtype=np.float32)
+    rows = array.reshape(-1, array.shape[-2], array.shape[-1])[0]
+    if rows.shape[0] < tokens:
+        raise ValueError(f"generation_logits has {rows.shape[0]} rows for {tokens} generated tokens")
+    return rows[:tokens]

@@ -9,7 +9,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorSettings
-from coordinator.loop import Engine, speculative_decode
+from coordinator.costmodel import CostModel
+from coordinator.loop import Engine, Round, speculative_decode
+from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
 from coordinator.request import GenerationRequest, check_context
 from coordinator.text import CompletionText
@@ -18,15 +20,35 @@ from coordinator.tokenizer import Codec
 
 @dataclass
 class Stats:
+    """Per-request statistics, sent with the final response."""
+
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     completion_tokens: int = 0
-    rounds: int = 0
-    fallback_reason: str = ""
+    speculative_rounds: int = 0  # rounds that verified drafted tokens
+    plain_rounds: int = 0  # plain target steps
+    rejected_rounds: int = 0  # speculative rounds that rejected a draft token
+    draft_seconds: float = 0.0  # in draft engine calls
+    verify_seconds: float = 0.0  # in target calls of speculative rounds
+    plain_seconds: float = 0.0  # in target calls of plain rounds
+    fallback_reason: str = ""  # why speculation last stopped ("" if it never did)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def add(self, round_: Round) -> None:
+        self.draft_tokens += round_.drafted
+        self.accepted_draft_tokens += round_.accepted
+        self.completion_tokens += len(round_.tokens)
+        self.draft_seconds += round_.draft_seconds
+        if round_.drafted:
+            self.speculative_rounds += 1
+            self.rejected_rounds += round_.accepted < round_.drafted
+            self.verify_seconds += round_.target_seconds
+        else:
+            self.plain_rounds += 1
+            self.plain_seconds += round_.target_seconds
 
 
 @dataclass(frozen=True)
@@ -43,11 +65,20 @@ async def generate_text(
     draft: Engine,
     target: Engine,
     settings: CoordinatorSettings,
+    costs: CostModel | None = None,
+    metrics: RequestMetrics | None = None,
 ) -> AsyncIterator[Chunk]:
-    """Yield text deltas; the last chunk has ``final`` set and carries the stats."""
+    """Yield text deltas; the last chunk has ``final`` set and carries the stats.
+
+    ``costs`` is the server-wide cost model shared by all requests."""
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
-    policy = SpeculationPolicy(request.speculation_window, settings.fallback_threshold)
+    policy = SpeculationPolicy(
+        request.speculation_window,
+        settings.fallback_threshold,
+        costs=costs if costs is not None else CostModel(),
+        adaptive=request.adaptive_window,
+    )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
     rounds = speculative_decode(
@@ -57,15 +88,15 @@ async def generate_text(
         target=target,
         policy=policy,
         sampling=request.sampling,
+        draft_sampling=request.draft_sampling,
         end_ids=codec.special.eos_token_ids,
     )
     async with aclosing(rounds):
         async for round_ in rounds:
-            stats.rounds += 1
-            stats.draft_tokens += round_.drafted
-            stats.accepted_draft_tokens += round_.accepted
-            stats.completion_tokens += len(round_.tokens)
+            stats.add(round_)
             stats.fallback_reason = policy.reason
+            if metrics is not None:
+                metrics.round(round_, policy)
             delta = text.append(round_.tokens, final=round_.finished)
             if text.stopped or round_.finished:
                 yield Chunk(delta, True, stats)

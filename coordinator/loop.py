@@ -1,22 +1,35 @@
 """The draft-verify loop, engine-agnostic.
 
-Each round drafts k = min(window, tokens still allowed - 1) tokens, asks the
-target to verify them in one forward pass (it returns the accepted prefix plus
-one token of its own), and yields what was emitted. Engines are awaited, so
-many requests interleave their rounds on one coordinator instance.
+Each round asks the policy for a window k (bounded by the tokens still
+allowed), lets the draft propose k tokens, asks the target to verify them in
+one forward pass (it returns the accepted prefix plus one token of its own),
+and yields what was emitted. With k = 0 the round is one plain target step.
+For sampled requests the draft also returns its logits and the target
+verifies by rejection sampling, so the output is distributed exactly as the
+target's. Every engine call is timed for the policy's cost model. Engines are
+awaited, so many requests interleave their rounds on one coordinator.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from coordinator.policy import SpeculationPolicy
-from coordinator.sampling import SamplingParams
+from coordinator.sampling import SamplingParams, draft_logits_for_target
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    tokens: list[int]
+    logits: np.ndarray | None = None  # [len(tokens), vocab] raw logits, when asked for
 
 
 class Engine(Protocol):
@@ -26,9 +39,12 @@ class Engine(Protocol):
         max_new_tokens: int,
         sampling: SamplingParams,
         draft_tokens: Sequence[int] = (),
-    ) -> list[int]:
+        draft_logits: np.ndarray | None = None,
+        return_logits: bool = False,
+    ) -> EngineOutput:
         """Generate up to ``max_new_tokens`` after ``input_ids``; with
-        ``draft_tokens`` (k of them, max_new_tokens = k + 1) verify them and
+        ``draft_tokens`` (k of them, max_new_tokens = k + 1) verify them (by
+        rejection sampling when ``draft_logits`` [k, vocab] are given) and
         return the accepted prefix plus one token."""
         ...
 
@@ -43,6 +59,8 @@ class Round:
     drafted: int
     accepted: int
     finished: bool  # end token reached or token budget spent
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -70,30 +88,62 @@ async def speculative_decode(
     policy: SpeculationPolicy,
     sampling: SamplingParams,
     end_ids: Collection[int],
+    draft_sampling: SamplingParams | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> AsyncIterator[Round]:
+    """``draft_sampling``: how the draft samples (defaults to ``sampling``;
+    another temperature stays lossless because the target is told q)."""
+    draft_sampling = draft_sampling or sampling
+    want_logits = not sampling.greedy
     context = list(prompt_ids)
     produced = 0
     while produced < max_new_tokens:
         remaining = max_new_tokens - produced
         k = min(policy.window(), remaining - 1)
         proposal: list[int] = []
+        proposal_logits = None
+        draft_seconds = 0.0
         if k > 0:
+            started = clock()
             try:
-                proposal = _cut_after_end(list(await draft.generate(context, k, sampling))[:k], end_ids)
+                drafted = await draft.generate(context, k, draft_sampling, return_logits=want_logits)
+                proposal = _cut_after_end(list(drafted.tokens)[:k], end_ids)
+                if want_logits and proposal:
+                    proposal_logits = _draft_logits(drafted, len(proposal), draft_sampling, sampling)
             except Exception as error:  # the request goes on without the draft
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
-        emitted = list(await target.generate(context, len(proposal) + 1, sampling, draft_tokens=proposal))
+                proposal, proposal_logits = [], None
+            draft_seconds = clock() - started
+        started = clock()
+        verified = await target.generate(
+            context, len(proposal) + 1, sampling, draft_tokens=proposal, draft_logits=proposal_logits
+        )
+        target_seconds = clock() - started
+        emitted = list(verified.tokens)
         if not 1 <= len(emitted) <= len(proposal) + 1:
             raise EngineError(f"target returned {len(emitted)} tokens for a round of {len(proposal)} draft tokens")
         accepted = common_prefix_length(emitted, proposal)
-        policy.record(len(proposal), accepted)
+        if proposal:
+            policy.record(len(proposal), accepted, draft_seconds, target_seconds)
+        else:
+            policy.record_plain(target_seconds)
         emitted = _cut_after_end(emitted[:remaining], end_ids)
         ended = emitted[-1] in end_ids
         if ended:
             emitted.pop()
         context += emitted
         produced += len(emitted)
-        yield Round(emitted, len(proposal), accepted, finished=ended or produced >= max_new_tokens)
+        finished = ended or produced >= max_new_tokens
+        yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
         if ended:
             return
+
+
+def _draft_logits(drafted: EngineOutput, k: int, draft_sampling: SamplingParams, sampling: SamplingParams):
+    if drafted.logits is None or len(drafted.logits) < k:
+        raise EngineError("the draft returned no generation_logits for a sampled request")
+    logits = np.asarray(drafted.logits[:k], dtype=np.float32)
+    if draft_sampling == sampling:  # the target processes them exactly as the draft did
+        return logits
+    return draft_logits_for_target(logits, draft_sampling, sampling)

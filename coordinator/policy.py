@@ -1,51 +1,169 @@
 """How many tokens to draft next: the per-request speculation policy.
 
-Rule: draft ``max_window`` tokens per round (the request's cap, itself capped
-by the server's ``speculation_window``) while the rolling acceptance rate over
-the most recent drafted tokens stays at or above ``fallback_threshold``; once
-it falls below (after at least ``min_evidence`` drafted tokens) the request
-decodes with the target alone. A draft engine failure also switches the
-request to plain decoding, so the request still completes.
+The rule, round by round (``window()`` before a round, ``record*()`` after):
+
+1. Fallback (``fallback_threshold``). The rolling acceptance rate is accepted
+   / drafted over the request's most recent ``history_tokens`` drafted tokens.
+   Once at least ``min_evidence`` tokens were drafted and the rate falls below
+   ``fallback_threshold``, the request decodes with the target alone.
+2. Probing. While decoding plainly the request drafts one probe round of
+   ``probe_window`` tokens after every ``probe_interval`` plain rounds. When
+   the probes have gathered ``min_evidence`` drafted tokens, speculation
+   resumes if their acceptance is at least ``fallback_threshold +
+   hysteresis``; otherwise the evidence is dropped and the interval doubles
+   (up to ``max_probe_interval``), so a useless draft costs ever less.
+3. Window (``adaptive``). The per-token acceptance a is estimated from the
+   request's recent rounds, starting from the server-wide estimate worth
+   ``prior_trials`` trials; the cost model predicts the speed-up of every
+   window 1..``max_window`` from a and the measured engine costs and the best
+   one is drafted. When no window is predicted to beat plain decoding the
+   request decodes plainly and probes as in 2 (resuming as soon as a window
+   is predicted to pay). Without ``adaptive`` the window is ``max_window``.
+4. A failing draft engine switches the request to plain decoding for good
+   (no probes): the request completes on the target alone.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
+
+from coordinator.costmodel import CostModel
+
+
+class Mode(str, Enum):
+    SPECULATING = "speculating"
+    FALLBACK = "fallback"  # rolling acceptance below fallback_threshold
+    UNPROFITABLE = "unprofitable"  # the cost model predicts no window beats plain
+    DRAFT_FAILED = "draft_failed"
 
 
 @dataclass
 class SpeculationPolicy:
     max_window: int
     fallback_threshold: float
-    history_tokens: int = 16  # rolling window of drafted tokens the rate is taken over
+    costs: CostModel = field(default_factory=CostModel)
+    adaptive: bool = True
+    history_tokens: int = 32
     min_evidence: int = 8
-    fallen_back: bool = False
-    reason: str = ""
-    _history: deque = field(default_factory=deque, repr=False)
+    probe_window: int = 2
+    probe_interval: int = 8
+    max_probe_interval: int = 64
+    hysteresis: float = 0.1
+    prior_acceptance: float = 0.5  # used until the server has measured any
+    prior_trials: float = 4.0
 
+    mode: Mode = Mode.SPECULATING
+    reason: str = ""  # why the request last stopped speculating ("" if it never did)
+    _history: deque = field(default_factory=deque, repr=False)  # (drafted, accepted, rejected)
+    _plain_rounds: int = 0  # since the last probe
+    _interval: int = 0
+    _probe_drafted: int = 0
+    _probe_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        self._interval = self.probe_interval
+
+    # -- decisions ---------------------------------------------------------
     def window(self) -> int:
-        return 0 if self.fallen_back else self.max_window
+        """Tokens to draft in the next round (0: a plain target step)."""
+        if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
+            return 0
+        if self.mode is not Mode.SPECULATING:
+            return min(self.probe_window, self.max_window) if self._plain_rounds >= self._interval else 0
+        if not self.adaptive:
+            return self.max_window
+        k, _ = self.costs.best_window(self.acceptance_estimate(), self.max_window)
+        if k == 0:
+            self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
+        return k
 
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return
-        self._history.append((drafted, accepted))
-        while sum(d for d, _ in self._history) - self._history[0][0] >= self.history_tokens:
-            self._history.popleft()
-        if self.fallen_back:
-            return
-        rate = self.recent_acceptance()
-        if rate is not None and rate < self.fallback_threshold:
-            self.fallen_back = True
-            self.reason = f"recent acceptance {rate:.2f} below fallback_threshold {self.fallback_threshold:g}"
+    def acceptance_estimate(self) -> float:
+        """Per-token acceptance a: the request's recent rounds plus a server-wide prior."""
+        prior = self.costs.server_acceptance(self.prior_acceptance)
+        accepted = sum(a for _, a, _ in self._history)
+        trials = accepted + sum(r for _, _, r in self._history)
+        return (accepted + self.prior_trials * prior) / (trials + self.prior_trials)
 
     def recent_acceptance(self) -> float | None:
-        drafted = sum(d for d, _ in self._history)
+        """accepted / drafted over the rolling history (None below min_evidence)."""
+        drafted = sum(d for d, _, _ in self._history)
         if drafted < self.min_evidence:
             return None
-        return sum(a for _, a in self._history) / drafted
+        return sum(a for _, a, _ in self._history) / drafted
+
+    @property
+    def speculating(self) -> bool:
+        return self.mode is Mode.SPECULATING
+
+    # -- observations ------------------------------------------------------
+    def record(
+        self, drafted: int, accepted: int, draft_seconds: float | None = None, verify_seconds: float | None = None
+    ) -> None:
+        """A round that verified ``drafted`` tokens (``accepted`` of them) finished (timings if measured)."""
+        if drafted <= 0:
+            return
+        rejected = accepted < drafted
+        if draft_seconds is not None and verify_seconds is not None:
+            self.costs.observe_draft(drafted, draft_seconds)
+            self.costs.observe_verify(drafted, verify_seconds)
+        self.costs.observe_acceptance(accepted, rejected)
+        self._history.append((drafted, accepted, int(rejected)))
+        while sum(d for d, _, _ in self._history) - self._history[0][0] >= self.history_tokens:
+            self._history.popleft()
+        if self.mode is Mode.SPECULATING:
+            rate = self.recent_acceptance()
+            if rate is not None and rate < self.fallback_threshold:
+                self._enter(
+                    Mode.FALLBACK,
+                    f"recent acceptance {rate:.2f} below fallback_threshold {self.fallback_threshold:g}",
+                )
+            return
+        if self.mode is Mode.DRAFT_FAILED:
+            return
+        self._after_probe(drafted, accepted)
+
+    def record_plain(self, seconds: float | None = None) -> None:
+        """A plain target step finished."""
+        if seconds is not None:
+            self.costs.observe_plain(seconds)
+        self._plain_rounds += 1
 
     def draft_failed(self, error: BaseException) -> None:
-        self.fallen_back = True
-        self.reason = f"draft model failed: {error}"
+        self._enter(Mode.DRAFT_FAILED, f"draft model failed: {error}")
+
+    # -- state changes -----------------------------------------------------
+    def _enter(self, mode: Mode, reason: str) -> None:
+        self.mode = mode
+        self.reason = reason
+        self._plain_rounds = 0
+        self._interval = self.probe_interval
+        self._probe_drafted = self._probe_accepted = 0
+
+    def _after_probe(self, drafted: int, accepted: int) -> None:
+        self._plain_rounds = 0
+        if self.mode is Mode.UNPROFITABLE:
+            # The probe refreshed the acceptance estimate; resume if any window now pays.
+            if self.costs.best_window(self.acceptance_estimate(), self.max_window)[0] > 0:
+                self.mode = Mode.SPECULATING
+            else:
+                self._back_off()
+            return
+        self._probe_drafted += drafted
+        self._probe_accepted += accepted
+        if self._probe_drafted < self.min_evidence:
+            return
+        if self._probe_accepted / self._probe_drafted >= self.fallback_threshold + self.hysteresis:
+            self.mode = Mode.SPECULATING
+            # start afresh from the probes' evidence, not the rounds that caused the fallback
+            probes = self._probe_drafted
+            while self._history and sum(d for d, _, _ in self._history) > probes:
+                self._history.popleft()
+        else:
+            self._back_off()
+        self._probe_drafted = self._probe_accepted = 0
+
+    def _back_off(self) -> None:
+        self._interval = min(self._interval * 2, self.max_probe_interval)
+

@@ -24,7 +24,9 @@ INPUT_NAMES = (
     "text_input",
     "max_tokens",
     "speculation_window",
+    "adaptive_window",
     "temperature",
+    "draft_temperature",
     "top_k",
     "top_p",
     "random_seed",
@@ -43,6 +45,8 @@ class GenerationRequest:
     max_tokens: int
     speculation_window: int  # per-request cap on drafted tokens (0: plain decoding)
     sampling: SamplingParams
+    adaptive_window: bool = True
+    draft_sampling: SamplingParams | None = None  # how the draft samples (None: as the target)
     stop_words: tuple[str, ...] = ()
     stream: bool = False
 
@@ -78,6 +82,13 @@ def parse_request(
     top_p = _float(inputs, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise InputError(f"top_p must be in (0, 1], got {top_p:g}")
+    draft_temperature = _float(inputs, "draft_temperature", temperature)
+    if not 0.0 <= draft_temperature <= MAX_TEMPERATURE:
+        raise InputError(
+            f"draft_temperature must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy draft), got {draft_temperature:g}"
+        )
+    if temperature == 0.0 and _scalar(inputs, "draft_temperature") is not None and draft_temperature != 0.0:
+        raise InputError("draft_temperature needs a sampled request (temperature > 0); greedy requests draft greedily")
     seed_value = _scalar(inputs, "random_seed")
     seed = int(seed_value) if seed_value is not None else new_seed()
     if not 0 <= seed < 2**64:
@@ -86,12 +97,20 @@ def parse_request(
     stop_words = _stop_words(inputs.get("stop_words"))
     stream_value = _scalar(inputs, "stream")
     stream = bool(stream_value) if stream_value is not None else False
+    adaptive_value = _scalar(inputs, "adaptive_window")
+    adaptive = bool(adaptive_value) if adaptive_value is not None else settings.adaptive_window
 
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    draft_sampling = None
+    if draft_temperature != temperature:
+        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed)
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,
         speculation_window=window,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        sampling=sampling,
+        adaptive_window=adaptive,
+        draft_sampling=draft_sampling,
         stop_words=stop_words,
         stream=stream,
     )

@@ -16,9 +16,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator.config import CoordinatorSettings
-from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens
+from coordinator.costmodel import CostModel
+from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits
 from coordinator.generation import Chunk, generate_text
-from coordinator.loop import EngineError
+from coordinator.loop import EngineError, EngineOutput
+from coordinator.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
 from coordinator.request import INPUT_NAMES, InputError, parse_request
 from coordinator.sampling import SamplingParams
 from coordinator.tokenizer import Codec, SpecialTokens
@@ -35,8 +37,14 @@ class BlsEngine:
         self.special = special
 
     async def generate(
-        self, input_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams, draft_tokens=()
-    ) -> list[int]:
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        draft_tokens=(),
+        draft_logits=None,
+        return_logits: bool = False,
+    ) -> EngineOutput:
         tensors = engine_inputs(
             input_ids,
             max_new_tokens,
@@ -44,18 +52,42 @@ class BlsEngine:
             end_id=self.special.end_id,
             pad_id=self.special.pad_token_id,
             draft_tokens=draft_tokens,
+            draft_logits=draft_logits,
+            return_logits=return_logits,
         )
+        outputs = list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
         request = pb_utils.InferenceRequest(
             model_name=self.model_name,
             inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
-            requested_output_names=list(REQUESTED_OUTPUTS),
+            requested_output_names=outputs,
         )
         response = await request.async_exec()
         if response.has_error():
             raise EngineError(f"{self.model_name}: {response.error().message()}")
         output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids").as_numpy()
         lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
-        return generated_tokens(output_ids, lengths)
+        tokens = generated_tokens(output_ids, lengths)
+        logits = None
+        if return_logits:
+            tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
+            if tensor is None:
+                raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
+            logits = generation_logits(tensor.as_numpy(), len(tokens))
+        return EngineOutput(tokens, logits)
+
+
+def _triton_instrument(families: dict[str, object], spec: MetricSpec):
+    """A ``pb_utils.Metric`` for a spec; specs sharing a name share one family."""
+    family = families.get(spec.name)
+    if family is None:
+        kind = {COUNTER: pb_utils.MetricFamily.COUNTER, GAUGE: pb_utils.MetricFamily.GAUGE}.get(
+            spec.kind, pb_utils.MetricFamily.HISTOGRAM
+        )
+        family = families[spec.name] = pb_utils.MetricFamily(name=spec.name, description=spec.description, kind=kind)
+    labels = dict(spec.labels)
+    if spec.buckets is not None:
+        return family.Metric(labels=labels, buckets=list(spec.buckets))
+    return family.Metric(labels=labels)
 
 
 class TritonPythonModel:
@@ -66,6 +98,10 @@ class TritonPythonModel:
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         self.target = BlsEngine(self.settings.target_model_name, self.codec.special)
         self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special)
+        self.costs = CostModel()  # server-wide engine timings and acceptance
+        families: dict[str, object] = {}
+        self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec))
+        self._metric_families = families  # keep the families alive as long as the model
         log.info("coordinator ready: %s", self.settings)
 
     async def execute(self, requests):
@@ -74,6 +110,8 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         sender = request.get_response_sender()
+        metrics = self.metrics.start_request()
+        outcome = "error"
         try:
             raw = {}
             for name in INPUT_NAMES:
@@ -82,11 +120,18 @@ class TritonPythonModel:
             generation = parse_request(raw, self.settings, new_seed=lambda: secrets.randbits(63))
             pieces: list[str] = []
             chunks = generate_text(
-                generation, self.codec, draft=self.draft, target=self.target, settings=self.settings
+                generation,
+                self.codec,
+                draft=self.draft,
+                target=self.target,
+                settings=self.settings,
+                costs=self.costs,
+                metrics=metrics,
             )
             async for chunk in chunks:
                 if _cancelled(request, sender):
                     await chunks.aclose()
+                    outcome = "cancelled"
                     sender.send(flags=FINAL)
                     return
                 if generation.stream:
@@ -97,6 +142,7 @@ class TritonPythonModel:
                     pieces.append(chunk.text)
                     if chunk.final:
                         sender.send(_response("".join(pieces), chunk), flags=FINAL)
+            outcome = "success"
         except InputError as error:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except EngineError as error:
@@ -108,6 +154,8 @@ class TritonPythonModel:
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"coordinator internal error: {error}")),
                 flags=FINAL,
             )
+        finally:
+            metrics.finish(outcome)
 
 
 def _cancelled(request, sender) -> bool:
@@ -124,5 +172,14 @@ def _response(text: str, final: Chunk | None):
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_draft_tokens], dtype=np.int32)),
             pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
             pb_utils.Tensor("completion_tokens", np.array([stats.completion_tokens], dtype=np.int32)),
+            pb_utils.Tensor("speculative_rounds", np.array([stats.speculative_rounds], dtype=np.int32)),
+            pb_utils.Tensor("plain_rounds", np.array([stats.plain_rounds], dtype=np.int32)),
+            pb_utils.Tensor("rejected_rounds", np.array([stats.rejected_rounds], dtype=np.int32)),
+            pb_utils.Tensor("draft_seconds", np.array([stats.draft_seconds], dtype=np.float32)),
+            pb_utils.Tensor("verify_seconds", np.array([stats.verify_seconds], dtype=np.float32)),
+            pb_utils.Tensor("plain_seconds", np.array([stats.plain_seconds], dtype=np.float32)),
+            pb_utils.Tensor(
+                "fallback_reason", np.array([stats.fallback_reason.encode("utf-8")], dtype=np.object_)
+            ),
         ]
     return pb_utils.InferenceResponse(output_tensors=tensors)

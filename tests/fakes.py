@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from coordinator.sampling import SamplingParams, select_token, verify_by_matching
+from coordinator.loop import EngineOutput
+from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
 
 VOCAB = 50
 
@@ -25,23 +26,35 @@ class ToyEngine:
         self.end_id = end_id
         self.calls: list[tuple[int, int]] = []  # (max_new_tokens, number of draft tokens)
         self.fail_with: Exception | None = None
+        self.received_draft_logits: list[np.ndarray] = []
 
-    async def generate(self, input_ids, max_new_tokens, sampling: SamplingParams, draft_tokens=()):
+    async def generate(
+        self, input_ids, max_new_tokens, sampling: SamplingParams, draft_tokens=(), draft_logits=None,
+        return_logits=False,
+    ):
         if self.fail_with is not None:
             raise self.fail_with
         self.calls.append((max_new_tokens, len(draft_tokens)))
         context = list(input_ids)
         if draft_tokens:
             rows = np.stack([self.logits_fn(context + list(draft_tokens[:i])) for i in range(len(draft_tokens) + 1)])
-            tokens = verify_by_matching(rows, list(draft_tokens), sampling, len(context))
-            return _cut(tokens[:max_new_tokens], self.end_id)
+            if draft_logits is not None:
+                self.received_draft_logits.append(np.asarray(draft_logits))
+                tokens = verify_by_rejection(rows, np.asarray(draft_logits), list(draft_tokens), sampling, len(context))
+            else:
+                tokens = verify_by_matching(rows, list(draft_tokens), sampling, len(context))
+            tokens = _cut(tokens[:max_new_tokens], self.end_id)
+            return EngineOutput(tokens, rows[: len(tokens)] if return_logits else None)
         out: list[int] = []
+        rows = []
         for step in range(max_new_tokens):
-            token = select_token(self.logits_fn(context + out), sampling, len(context) + step)
+            logits = self.logits_fn(context + out)
+            rows.append(logits)
+            token = select_token(logits, sampling, len(context) + step)
             out.append(token)
             if token == self.end_id:
                 break
-        return out
+        return EngineOutput(out, np.stack(rows) if return_logits else None)
 
 
 def _cut(tokens: list[int], end_id: int | None) -> list[int]:

@@ -21,6 +21,7 @@ def test_parameters_parse_with_env_expansion_and_overrides():
         ({"speculation_window": "five"}, "speculation_window must be int"),
         ({"max_tokens_limit": "64"}, "default_max_tokens must be between 1 and max_tokens_limit"),
         ({"speculation_windw": "5"}, "unknown coordinator parameter(s): speculation_windw"),
+        ({"adaptive_window": "yes"}, "adaptive_window must be bool"),
         ({"tokenizer_dir": "${NOPE}"}, "needs environment variable NOPE"),
     ],
 )
@@ -32,3 +33,9 @@ def test_bad_settings_are_refused_with_the_reason(parameters, message):
 
 def test_expand_env_leaves_plain_values_alone():
     assert expand_env("float32", {}, "dtype") == "float32"
+
+
+def test_adaptive_window_parameter_and_override():
+    assert CoordinatorSettings.from_parameters({"adaptive_window": "false"}, {}).adaptive_window is False
+    settings = CoordinatorSettings.from_parameters({"adaptive_window": "false"}, {"SPECDEC_ADAPTIVE_WINDOW": "true"})
+    assert settings.adaptive_window is True

@@ -363,6 +363,11 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
         config = REPO / "model_repository" / "coordinator" / "configs" / "cpu.pbtxt"
     assert window == int(pbtxt_parameter(config, "speculation_window"))
     assert threshold == float(pbtxt_parameter(config, "fallback_threshold"))
+    assert data["SPECDEC_ADAPTIVE_WINDOW"] == pbtxt_parameter(config, "adaptive_window")
+    # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
+    from coordinator.config import ENV_OVERRIDES
+
+    assert set(data) == set(ENV_OVERRIDES.values())
     triton = container(pod_spec(deployment(docs)), "triton")
     refs = [e["configMapRef"]["name"] for e in triton.get("envFrom", []) if "configMapRef" in e]
     generated = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"]

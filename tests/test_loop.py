@@ -2,20 +2,24 @@ import asyncio
 
 import pytest
 
-from coordinator.loop import EngineError, common_prefix_length, speculative_decode
-from coordinator.policy import SpeculationPolicy
+from coordinator.costmodel import CostModel
+from coordinator.loop import EngineError, EngineOutput, common_prefix_length, speculative_decode
+from coordinator.policy import Mode, SpeculationPolicy
 from coordinator.sampling import SamplingParams
 from tests.fakes import ToyEngine, noisy, toy_logits
 
 GREEDY = SamplingParams()
 
 
-def run(prompt, max_new, draft, target, window=4, threshold=0.0, sampling=GREEDY, end_ids=(999,)):
-    policy = SpeculationPolicy(window, threshold)
+def run(prompt, max_new, draft, target, window=4, threshold=0.0, sampling=GREEDY, end_ids=(999,), policy=None,
+        draft_sampling=None, clock=None):
+    policy = policy or SpeculationPolicy(window, threshold, adaptive=False)
+    extra = {"clock": clock} if clock else {}
 
     async def collect():
         return [r async for r in speculative_decode(
-            prompt, max_new, draft=draft, target=target, policy=policy, sampling=sampling, end_ids=end_ids)]
+            prompt, max_new, draft=draft, target=target, policy=policy, sampling=sampling, end_ids=end_ids,
+            draft_sampling=draft_sampling, **extra)]
 
     return asyncio.run(collect()), policy
 
@@ -34,13 +38,30 @@ def test_greedy_output_equals_plain_decoding_for_every_window(window, flip_every
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8)])
-def test_seeded_sampling_is_identical_with_and_without_speculation(temperature, top_k, top_p):
+def test_seeded_sampling_is_repeatable_and_verified_by_rejection(temperature, top_k, top_p):
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
-    plain, _ = run([5], 30, ToyEngine(), ToyEngine(), window=0, sampling=sampling)
-    spec, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=4, sampling=sampling)
-    assert tokens_of(spec) == tokens_of(plain)
-    other, _ = run([5], 30, ToyEngine(), ToyEngine(), window=0, sampling=SamplingParams(temperature, top_k, top_p, 99))
-    assert tokens_of(other) != tokens_of(plain)
+    target = ToyEngine()
+    first, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), target, window=4, sampling=sampling)
+    again, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=4, sampling=sampling)
+    assert tokens_of(first) == tokens_of(again) and len(tokens_of(first)) == 30
+    # the draft's distribution went to the target (rejection sampling), one row per draft token
+    assert target.received_draft_logits and all(
+        logits.shape[0] == k for logits, (_, k) in zip(target.received_draft_logits, [c for c in target.calls if c[1]])
+    )
+    other, _ = run([5], 30, ToyEngine(), ToyEngine(), window=4, sampling=SamplingParams(temperature, top_k, top_p, 99))
+    assert tokens_of(other) != tokens_of(first)
+
+
+def test_greedy_requests_send_no_draft_logits():
+    target = ToyEngine()
+    run([5], 20, ToyEngine(), target, window=4)
+    assert target.received_draft_logits == []
+
+
+def test_a_perfect_draft_is_always_accepted_when_sampling():
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    rounds, _ = run([3], 24, ToyEngine(), ToyEngine(), window=3, sampling=sampling)
+    assert sum(r.accepted for r in rounds) == sum(r.drafted for r in rounds) > 0
 
 
 def test_statistics_are_consistent_and_a_perfect_draft_is_fully_accepted():
@@ -73,9 +94,11 @@ def test_useless_draft_triggers_fallback_to_plain_decoding():
 
     draft, target = ToyEngine(contrarian), ToyEngine()
     rounds, policy = run([1], 40, draft, target, window=4, threshold=0.3)
-    assert policy.fallen_back and "below fallback_threshold" in policy.reason
-    assert sum(r.drafted for r in rounds) <= 12  # stopped drafting after the evidence window
-    assert rounds[-1].drafted == 0
+    assert policy.mode is Mode.FALLBACK and "below fallback_threshold" in policy.reason
+    # stopped after the evidence window (8 tokens); then only probes of 2 after every 8 plain rounds
+    assert [r.drafted for r in rounds[:2]] == [4, 4]
+    probes = [r.drafted for r in rounds[2:] if r.drafted]
+    assert probes == [2, 2, 2, 2]
     plain, _ = run([1], 40, ToyEngine(), ToyEngine(), window=0)
     assert tokens_of(rounds) == tokens_of(plain)
 
@@ -85,14 +108,14 @@ def test_failing_draft_degrades_to_target_only_and_still_completes():
     draft.fail_with = RuntimeError("draft unloaded")
     rounds, policy = run([1], 10, draft, ToyEngine(), window=4)
     assert len(tokens_of(rounds)) == 10
-    assert policy.fallen_back and "draft model failed" in policy.reason
+    assert policy.mode is Mode.DRAFT_FAILED and "draft model failed" in policy.reason
     assert sum(r.drafted for r in rounds) == 0
 
 
 def test_target_answering_outside_its_contract_is_an_error():
     class Broken(ToyEngine):
         async def generate(self, *args, **kwargs):
-            return []
+            return EngineOutput([])
 
     with pytest.raises(EngineError):
         run([1], 5, ToyEngine(), Broken(), window=2)
@@ -102,3 +125,46 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+
+
+class FakeClock:
+    """Engine calls take a scripted number of seconds (drafts: per token)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class TimedEngine(ToyEngine):
+    def __init__(self, clock, fixed, per_token, logits_fn=toy_logits):
+        super().__init__(logits_fn)
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+
+    async def generate(self, input_ids, max_new_tokens, sampling, draft_tokens=(), **kwargs):
+        out = await super().generate(input_ids, max_new_tokens, sampling, draft_tokens, **kwargs)
+        work = len(draft_tokens) if draft_tokens else max_new_tokens
+        self.clock.now += self.fixed + self.per_token * work
+        return out
+
+
+def test_adaptive_policy_stops_drafting_when_the_draft_costs_too_much():
+    clock = FakeClock()
+    # a draft token costs as much as a target step: no window can pay
+    draft = TimedEngine(clock, 0.0, 1.0, noisy(toy_logits, 2))
+    target = TimedEngine(clock, 1.0, 0.0)
+    policy = SpeculationPolicy(4, 0.0, costs=CostModel())
+    rounds, _ = run([1], 60, draft, target, policy=policy, clock=clock)
+    assert policy.mode is Mode.UNPROFITABLE
+    assert sum(r.drafted for r in rounds[10:]) <= 2 * 3  # probes only
+
+
+def test_adaptive_policy_drafts_long_windows_for_a_cheap_accurate_draft():
+    clock = FakeClock()
+    draft = TimedEngine(clock, 0.0, 0.05)
+    target = TimedEngine(clock, 1.0, 0.01)
+    policy = SpeculationPolicy(6, 0.3, costs=CostModel())
+    rounds, _ = run([1], 60, draft, target, policy=policy, clock=clock)
+    assert policy.mode is Mode.SPECULATING
+    assert max(r.drafted for r in rounds) == 6 and rounds[-2].drafted == 6

@@ -19,6 +19,28 @@ def test_defaults():
     assert request.speculation_window == 5
     assert request.sampling.greedy and request.sampling.seed == 42
     assert not request.stream and request.stop_words == ()
+    assert request.adaptive_window and request.draft_sampling is None
+
+
+def test_adaptive_window_defaults_to_the_server_setting():
+    settings = CoordinatorSettings(adaptive_window=False)
+    raw = {"text_input": np.array([b"x"], dtype=object)}
+    assert not parse_request(raw, settings, new_seed=lambda: 1).adaptive_window
+    raw["adaptive_window"] = np.array([True])
+    assert parse_request(raw, settings, new_seed=lambda: 1).adaptive_window
+
+
+def test_draft_temperature_gives_the_draft_its_own_sampler():
+    request = parse(
+        text_input=np.array([b"x"], dtype=object),
+        temperature=np.array([1.0], np.float32),
+        top_k=np.array([20], np.int32),
+        draft_temperature=np.array([0.5], np.float32),
+        random_seed=np.array([9], np.uint64),
+    )
+    assert request.draft_sampling.temperature == 0.5
+    assert (request.draft_sampling.top_k, request.draft_sampling.seed) == (20, 9)
+    assert request.sampling.temperature == 1.0
 
 
 def test_all_fields():
@@ -56,6 +78,8 @@ def test_all_fields():
         ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
         ({"stop_words": np.array([b"x"] * 17, dtype=object)}, "stop_words may hold at most 16"),
         ({"bogus": np.array([1])}, "unknown input(s) bogus"),
+        ({"draft_temperature": np.array([-1.0], np.float32)}, "draft_temperature must be between 0 and 100"),
+        ({"draft_temperature": np.array([0.5], np.float32)}, "draft_temperature needs a sampled request"),
     ],
 )
 def test_bad_input_names_the_field_and_the_limit(inputs, message):

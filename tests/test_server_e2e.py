@@ -54,15 +54,26 @@ def test_greedy_speculation_is_byte_identical_to_plain_decoding(triton_server, p
     )
 
 
-def test_seeded_sampling_repeats_and_matches_plain_decoding(triton_server):
+def test_seeded_sampling_repeats_with_rejection_sampling(triton_server):
+    """Sampled requests verify by rejection sampling on the draft's logits (lossless
+    in distribution: tests/test_rejection_sampling.py). With a fixed window the
+    rounds fall the same way, so the same seed gives the same text."""
     prompt = humaneval_prompts(11)[0]
     kwargs = dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=20261129)
-    first = complete(triton_server, prompt, speculation_window=4, **kwargs)
-    again = complete(triton_server, prompt, speculation_window=4, **kwargs)
+    first = complete(triton_server, prompt, speculation_window=4, adaptive_window=False, **kwargs)
+    again = complete(triton_server, prompt, speculation_window=4, adaptive_window=False, **kwargs)
+    assert first.text == again.text and first.completion_tokens == 24
+    assert first.draft_tokens > 0 and first.accepted_draft_tokens > 0
     plain = complete(triton_server, prompt, speculation_window=0, **kwargs)
-    assert first.text == again.text == plain.text
-    other = complete(triton_server, prompt, speculation_window=4, **{**kwargs, "seed": 7})
+    assert plain.text == complete(triton_server, prompt, speculation_window=0, **kwargs).text
+    other = complete(triton_server, prompt, speculation_window=4, adaptive_window=False, **{**kwargs, "seed": 7})
     assert other.text != first.text
+
+
+def test_separate_draft_temperature_is_served(triton_server):
+    result = complete(triton_server, humaneval_prompts(12)[0], max_tokens=16, temperature=1.0, draft_temperature=0.5,
+                      seed=3, speculation_window=3, adaptive_window=False)
+    assert result.completion_tokens == 16 and result.draft_tokens > 0
 
 
 def test_concurrent_streams_give_the_same_outputs_as_one_at_a_time(triton_server):
@@ -131,7 +142,38 @@ def test_wrong_dtype_shape_and_unknown_inputs_are_refused_by_name(triton_server)
     assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
 
 
-def test_metrics_port_serves_prometheus_text(triton_server):
-    with urllib.request.urlopen(f"{triton_server.metrics_url}/metrics", timeout=30) as response:
-        body = response.read().decode()
-    assert 'nv_inference_request_success{model="coordinator"' in body
+def _metrics(server) -> str:
+    with urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
+def _sample(body: str, name: str) -> float:
+    """Sum of a metric's samples (all label sets) in Prometheus text format."""
+    total, found = 0.0, False
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} not exported"
+    return total
+
+
+def test_metrics_port_serves_specdec_metrics_matching_the_responses(triton_server):
+    before = _metrics(triton_server)
+    assert 'nv_inference_request_success{model="coordinator"' in before
+    results = [complete(triton_server, p, max_tokens=24, speculation_window=4, adaptive_window=False)
+               for p in humaneval_prompts(31, 32)]
+    after = _metrics(triton_server)
+
+    def delta(name):
+        return _sample(after, name) - _sample(before, name)
+
+    assert delta("specdec_draft_tokens_total") == sum(r.draft_tokens for r in results) > 0
+    assert delta("specdec_accepted_draft_tokens_total") == sum(r.accepted_draft_tokens for r in results)
+    assert delta("specdec_emitted_tokens_total") == sum(r.completion_tokens for r in results) == 48
+    assert delta("specdec_rounds_total") == sum(r.speculative_rounds + r.plain_rounds for r in results)
+    assert delta("specdec_accepted_tokens_per_round_count") == sum(r.speculative_rounds for r in results)
+    assert delta("specdec_time_to_first_token_seconds_count") == 2
+    assert 'specdec_requests_total{outcome="success"}' in after
+    for gauge in ("specdec_speculation_window", "specdec_fallback_active", "specdec_draft_cost_ratio"):
+        _sample(after, gauge)

@@ -1,0 +1,186 @@
+"""The coordinator's Prometheus metrics: names, kinds and what updates them.
+
+Pure bookkeeping over an instrument factory, so the same code runs against
+Triton's ``pb_utils.MetricFamily`` (exported on the metrics port, 8002) and a
+fake in the unit tests. Every name starts with ``specdec_``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.loop import Round
+from coordinator.policy import Mode, SpeculationPolicy
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+ACCEPTED_BUCKETS = [float(n) for n in range(0, 17)]
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0]
+REQUEST_OUTCOMES = ("success", "error", "cancelled")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str
+    description: str
+    labels: tuple[tuple[str, str], ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+def _spec(name, kind, description, labels=(), buckets=None) -> MetricSpec:
+    return MetricSpec(name, kind, description, tuple(labels), None if buckets is None else tuple(buckets))
+
+
+DRAFT_TOKENS = _spec("specdec_draft_tokens_total", COUNTER, "Draft tokens proposed to the target")
+ACCEPTED_TOKENS = _spec("specdec_accepted_draft_tokens_total", COUNTER, "Draft tokens the target accepted")
+EMITTED_TOKENS = _spec("specdec_emitted_tokens_total", COUNTER, "Completion tokens emitted to clients")
+SPECULATIVE_ROUNDS = _spec(
+    "specdec_rounds_total", COUNTER, "Decoding rounds (one target call each)", [("kind", "speculative")]
+)
+PLAIN_ROUNDS = _spec("specdec_rounds_total", COUNTER, "Decoding rounds (one target call each)", [("kind", "plain")])
+DRAFT_FAILURES = _spec(
+    "specdec_draft_failures_total", COUNTER, "Draft engine failures (the request went on with the target alone)"
+)
+REQUESTS = {
+    outcome: _spec("specdec_requests_total", COUNTER, "Finished requests by outcome", [("outcome", outcome)])
+    for outcome in REQUEST_OUTCOMES
+}
+WINDOW = _spec("specdec_speculation_window", GAUGE, "Draft tokens of the most recent round (0: plain step)")
+FALLBACK_ACTIVE = _spec(
+    "specdec_fallback_active",
+    GAUGE,
+    "Requests in flight decoding without the draft because acceptance fell below fallback_threshold "
+    "or the draft failed",
+)
+DRAFT_COST = _spec(
+    "specdec_draft_cost_ratio", GAUGE, "Measured draft cost per drafted token over one plain target step (c)"
+)
+VERIFY_COST = _spec(
+    "specdec_verify_cost_ratio", GAUGE, "Measured verify cost over one plain target step at the latest window (v(K))"
+)
+ACCEPTED_PER_ROUND = _spec(
+    "specdec_accepted_tokens_per_round",
+    HISTOGRAM,
+    "Accepted draft tokens per speculative round",
+    buckets=ACCEPTED_BUCKETS,
+)
+TIME_TO_FIRST_TOKEN = _spec(
+    "specdec_time_to_first_token_seconds",
+    HISTOGRAM,
+    "From the request's arrival at the coordinator to its first emitted token",
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = _spec(
+    "specdec_inter_token_latency_seconds",
+    HISTOGRAM,
+    "Time per emitted token after the first (a round's duration over the tokens it emitted)",
+    buckets=LATENCY_BUCKETS,
+)
+
+ALL_SPECS = (
+    DRAFT_TOKENS,
+    ACCEPTED_TOKENS,
+    EMITTED_TOKENS,
+    SPECULATIVE_ROUNDS,
+    PLAIN_ROUNDS,
+    DRAFT_FAILURES,
+    *REQUESTS.values(),
+    WINDOW,
+    FALLBACK_ACTIVE,
+    DRAFT_COST,
+    VERIFY_COST,
+    ACCEPTED_PER_ROUND,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+)
+
+
+class Instrument(Protocol):
+    """The subset of ``pb_utils.Metric`` used here."""
+
+    def increment(self, value: float) -> None: ...
+
+    def set(self, value: float) -> None: ...
+
+    def observe(self, value: float) -> None: ...
+
+
+class MetricsRecorder:
+    """Server-wide metrics; one ``RequestMetrics`` per request feeds it."""
+
+    def __init__(self, make: Callable[[MetricSpec], Instrument], clock: Callable[[], float] = time.monotonic):
+        self.instruments = {spec: make(spec) for spec in ALL_SPECS}
+        self.clock = clock
+        self._fallback: set[int] = set()
+
+    def _get(self, spec: MetricSpec) -> Instrument:
+        return self.instruments[spec]
+
+    def start_request(self) -> RequestMetrics:
+        return RequestMetrics(self, self.clock())
+
+    def _round(self, request: RequestMetrics, round_: Round, policy: SpeculationPolicy) -> None:
+        get = self._get
+        emitted = len(round_.tokens)
+        if round_.drafted:
+            get(DRAFT_TOKENS).increment(round_.drafted)
+            get(ACCEPTED_TOKENS).increment(round_.accepted)
+            get(SPECULATIVE_ROUNDS).increment(1)
+            get(ACCEPTED_PER_ROUND).observe(round_.accepted)
+            get(DRAFT_COST).set(policy.costs.draft_cost(round_.drafted))
+            get(VERIFY_COST).set(policy.costs.verify_cost(round_.drafted))
+        else:
+            get(PLAIN_ROUNDS).increment(1)
+        get(WINDOW).set(round_.drafted)
+        if emitted:
+            get(EMITTED_TOKENS).increment(emitted)
+        if policy.mode is Mode.DRAFT_FAILED and not request.draft_failed:
+            request.draft_failed = True
+            get(DRAFT_FAILURES).increment(1)
+        self._set_fallback(request, policy.mode in (Mode.FALLBACK, Mode.DRAFT_FAILED))
+
+    def _set_fallback(self, request: RequestMetrics, active: bool) -> None:
+        (self._fallback.add if active else self._fallback.discard)(id(request))
+        self._get(FALLBACK_ACTIVE).set(len(self._fallback))
+
+    def _finish(self, request: RequestMetrics, outcome: str) -> None:
+        self._set_fallback(request, False)
+        self._get(REQUESTS[outcome]).increment(1)
+
+
+class RequestMetrics:
+    def __init__(self, recorder: MetricsRecorder, started: float):
+        self.recorder = recorder
+        self.started = started
+        self.last_emission: float | None = None
+        self.draft_failed = False
+        self.finished = False
+
+    def round(self, round_: Round, policy: SpeculationPolicy) -> None:
+        now = self.recorder.clock()
+        self.recorder._round(self, round_, policy)
+        emitted = len(round_.tokens)
+        if not emitted:
+            return
+        get = self.recorder._get
+        if self.last_emission is None:
+            get(TIME_TO_FIRST_TOKEN).observe(now - self.started)
+            emitted -= 1  # the first token's latency is the time to first token
+            gap = 0.0
+        else:
+            gap = now - self.last_emission
+        for _ in range(emitted):
+            get(INTER_TOKEN_LATENCY).observe(gap / max(emitted, 1))
+        self.last_emission = now
+
+    def finish(self, outcome: str) -> None:
+        """Count the request once, by outcome (success, error or cancelled)."""
+        if outcome not in REQUEST_OUTCOMES:
+            raise ValueError(f"outcome must be one of {REQUEST_OUTCOMES}, got {outcome!r}")
+        if not self.finished:
+            self.finished = True
+            self.recorder._finish(self, outcome)

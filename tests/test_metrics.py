@@ -1,0 +1,113 @@
+from collections import defaultdict
+
+import pytest
+
+from coordinator.loop import Round
+from coordinator.metrics import (
+    ACCEPTED_PER_ROUND,
+    ACCEPTED_TOKENS,
+    ALL_SPECS,
+    DRAFT_FAILURES,
+    DRAFT_TOKENS,
+    EMITTED_TOKENS,
+    FALLBACK_ACTIVE,
+    INTER_TOKEN_LATENCY,
+    PLAIN_ROUNDS,
+    REQUESTS,
+    SPECULATIVE_ROUNDS,
+    TIME_TO_FIRST_TOKEN,
+    WINDOW,
+    MetricsRecorder,
+)
+from coordinator.policy import Mode, SpeculationPolicy
+
+
+class Fake:
+    def __init__(self):
+        self.total = 0.0
+        self.value = None
+        self.observed = []
+
+    def increment(self, value):
+        assert value >= 0, "counters only go up"
+        self.total += value
+
+    def set(self, value):
+        self.value = value
+
+    def observe(self, value):
+        self.observed.append(value)
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def recorder():
+    made = {}
+    clock = Clock()
+
+    def make(spec):
+        made[spec] = Fake()
+        return made[spec]
+
+    return MetricsRecorder(make, clock), made, clock
+
+
+def test_names_share_one_prefix_and_label_sets_are_unique():
+    assert all(spec.name.startswith("specdec_") for spec in ALL_SPECS)
+    keys = [(spec.name, spec.labels) for spec in ALL_SPECS]
+    assert len(keys) == len(set(keys))
+    kinds = defaultdict(set)
+    for spec in ALL_SPECS:
+        kinds[spec.name].add(spec.kind)
+    assert all(len(k) == 1 for k in kinds.values()), "one kind per metric name"
+    assert all(spec.name.endswith("_total") for spec in ALL_SPECS if spec.kind == "counter")
+
+
+def test_rounds_update_counters_gauges_and_histograms():
+    metrics, made, clock = recorder()
+    policy = SpeculationPolicy(4, 0.3, adaptive=False)
+    request = metrics.start_request()
+    clock.now += 0.5
+    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False), policy)
+    clock.now += 0.3
+    request.round(Round([4], drafted=0, accepted=0, finished=True), policy)
+    request.finish("success")
+    assert made[DRAFT_TOKENS].total == 4 and made[ACCEPTED_TOKENS].total == 2
+    assert made[EMITTED_TOKENS].total == 4
+    assert made[SPECULATIVE_ROUNDS].total == 1 and made[PLAIN_ROUNDS].total == 1
+    assert made[ACCEPTED_PER_ROUND].observed == [2]
+    assert made[WINDOW].value == 0
+    assert made[TIME_TO_FIRST_TOKEN].observed == [pytest.approx(0.5)]
+    # tokens 2 and 3 arrived with the first; token 4 after 0.3 s
+    assert made[INTER_TOKEN_LATENCY].observed == [0.0, 0.0, pytest.approx(0.3)]
+    assert made[REQUESTS["success"]].total == 1
+
+
+def test_fallback_gauge_counts_requests_in_fallback_and_drops_them_when_done():
+    metrics, made, _ = recorder()
+    a, b = metrics.start_request(), metrics.start_request()
+    falling = SpeculationPolicy(4, 0.3, adaptive=False)
+    falling.mode = Mode.FALLBACK
+    failed = SpeculationPolicy(4, 0.3, adaptive=False)
+    failed.draft_failed(RuntimeError("x"))
+    a.round(Round([1], 0, 0, False), falling)
+    b.round(Round([1], 0, 0, False), failed)
+    b.round(Round([1], 0, 0, False), failed)
+    assert made[FALLBACK_ACTIVE].value == 2
+    assert made[DRAFT_FAILURES].total == 1  # once per request
+    a.finish("cancelled")
+    b.finish("error")
+    b.finish("error")  # counted once
+    assert made[FALLBACK_ACTIVE].value == 0
+    assert made[REQUESTS["cancelled"]].total == 1 and made[REQUESTS["error"]].total == 1
+
+
+def test_unknown_outcome_is_rejected():
+    metrics, _, _ = recorder()
+    with pytest.raises(ValueError, match="outcome"):
+        metrics.start_request().finish("ok")

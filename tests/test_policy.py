@@ -1,0 +1,156 @@
+"""The speculation policy's rule (coordinator/policy.py docstring), step by step."""
+
+from coordinator.costmodel import CostModel
+from coordinator.policy import Mode, SpeculationPolicy
+
+
+def measured_costs(draft=0.1, verify=1.0, windows=range(1, 9)):
+    costs = CostModel()
+    costs.observe_plain(1.0)
+    for k in windows:
+        costs.observe_draft(k, draft * k)
+        costs.observe_verify(k, verify)
+    return costs
+
+
+def fixed(window=4, threshold=0.3, **kwargs):
+    return SpeculationPolicy(window, threshold, adaptive=False, **kwargs)
+
+
+def test_fixed_window_drafts_max_window():
+    policy = fixed(5)
+    assert policy.window() == 5
+    policy.record(5, 5)
+    assert policy.window() == 5
+
+
+def test_zero_window_is_plain_decoding():
+    assert SpeculationPolicy(0, 0.3).window() == 0
+    assert fixed(0).window() == 0
+
+
+def test_fallback_needs_evidence_then_acts_below_threshold():
+    policy = fixed(4, 0.5)
+    policy.record(4, 1)  # 4 drafted < min_evidence 8: no decision yet
+    assert policy.mode is Mode.SPECULATING
+    policy.record(4, 1)  # 2/8 = 0.25 < 0.5
+    assert policy.mode is Mode.FALLBACK and "0.25 below fallback_threshold 0.5" in policy.reason
+    assert policy.window() == 0
+
+
+def test_at_threshold_keeps_speculating():
+    policy = fixed(4, 0.5)
+    policy.record(4, 2)
+    policy.record(4, 2)
+    assert policy.mode is Mode.SPECULATING
+
+
+def enter_fallback(policy):
+    policy.record(4, 0)
+    policy.record(4, 0)
+    assert policy.mode is Mode.FALLBACK
+
+
+def plain_until_probe(policy, limit=200):
+    for n in range(limit):
+        k = policy.window()
+        if k:
+            return n, k
+        policy.record_plain(1.0)
+    raise AssertionError("no probe")
+
+
+def test_fallback_probes_every_interval_and_backs_off():
+    policy = fixed(4, 0.3)
+    enter_fallback(policy)
+    gaps = []
+    for _ in range(8):
+        gap, k = plain_until_probe(policy)
+        assert k == 2  # probe_window
+        gaps.append(gap)
+        policy.record(2, 0)  # the draft is still useless
+    # every 4 probes (8 tokens of evidence) fail, the interval doubles: 8,8,8,8 then 16,...
+    assert gaps == [8, 8, 8, 8, 16, 16, 16, 16]
+    assert policy.mode is Mode.FALLBACK
+
+
+def test_fallback_interval_is_capped():
+    policy = fixed(4, 0.3, max_probe_interval=16)
+    enter_fallback(policy)
+    gaps = []
+    for _ in range(16):
+        gap, _ = plain_until_probe(policy)
+        gaps.append(gap)
+        policy.record(2, 0)
+    assert max(gaps) == 16
+
+
+def test_speculation_resumes_when_probes_clear_threshold_plus_hysteresis():
+    policy = fixed(4, 0.3)
+    enter_fallback(policy)
+    for _ in range(4):  # 8 probe tokens, 3 accepted: 0.375 < 0.3 + 0.1
+        plain_until_probe(policy)
+        policy.record(2, 1 if _ < 3 else 0)
+    assert policy.mode is Mode.FALLBACK
+    for _ in range(4):  # 8 probe tokens, 8 accepted
+        plain_until_probe(policy)
+        policy.record(2, 2)
+    assert policy.mode is Mode.SPECULATING and policy.window() == 4
+    # the rounds that caused the fallback no longer count against it
+    assert policy.recent_acceptance() == 1.0
+
+
+def test_draft_failure_is_final_for_the_request():
+    policy = fixed(4, 0.3)
+    policy.draft_failed(RuntimeError("unloaded"))
+    assert policy.mode is Mode.DRAFT_FAILED and "unloaded" in policy.reason
+    for _ in range(300):
+        assert policy.window() == 0
+        policy.record_plain()
+
+
+def test_adaptive_window_follows_acceptance():
+    costs = measured_costs(draft=0.1)
+    policy = SpeculationPolicy(8, 0.0, costs=costs, prior_trials=1.0)
+    for _ in range(10):
+        policy.record(8, 8)
+    high = policy.window()
+    assert high == 8
+    for _ in range(10):
+        policy.record(4, 1)  # a ~ 0.5
+    low = policy.window()
+    assert 0 < low < high
+
+
+def test_adaptive_goes_plain_when_nothing_pays_and_resumes_after_a_good_probe():
+    costs = measured_costs(draft=0.3)
+    policy = SpeculationPolicy(6, 0.0, costs=costs)
+    for _ in range(6):
+        policy.record(2, 0)
+    assert policy.window() == 0 and policy.mode is Mode.UNPROFITABLE
+    assert "predicted to beat plain" in policy.reason
+    gap, k = plain_until_probe(policy)
+    assert gap == 8 and k == 2
+    for _ in range(10):
+        policy.record(2, 2)  # the draft became accurate
+    assert policy.mode is Mode.SPECULATING and policy.window() > 0
+
+
+def test_new_requests_start_from_the_server_wide_acceptance():
+    costs = measured_costs(draft=0.1)
+    for _ in range(100):
+        costs.observe_acceptance(0, rejected=True)  # the server has seen nothing accepted
+    assert SpeculationPolicy(6, 0.0, costs=costs).window() == 0
+    costs = measured_costs(draft=0.1)
+    for _ in range(100):
+        costs.observe_acceptance(6, rejected=False)
+    assert SpeculationPolicy(6, 0.0, costs=costs).window() == 6
+
+
+def test_rounds_feed_the_shared_cost_model():
+    costs = CostModel()
+    policy = SpeculationPolicy(4, 0.0, costs=costs)
+    policy.record_plain(0.2)
+    policy.record(4, 3, draft_seconds=0.08, verify_seconds=0.22)
+    assert abs(costs.draft_cost(4) - 0.1) < 1e-9
+    assert abs(costs.verify_cost(4) - 1.1) < 1e-9
