@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 serve: $(STAMP)
 	$(VENV)/bin/specdec-serve
 
-# Speculative vs plain decoding side by side against a running `make serve`.
+# Plain, adaptive and fixed-window speculative decoding side by side against a
+# running `make serve` (specdec-bench --help); BENCH_ARGS may override the files.
 BENCH_ARGS ?=
+BENCH_DIR ?= bench-results
 bench: $(STAMP)
-	$(VENV)/bin/specdec-bench $(BENCH_ARGS)
+	$(VENV)/bin/specdec-bench --json $(BENCH_DIR)/bench.json --png $(BENCH_DIR)/bench.png $(BENCH_ARGS)
 
 # Lint/check tools that are not Python packages (installed idempotently).
 tools:
