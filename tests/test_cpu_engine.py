@@ -1,5 +1,7 @@
 """The CPU engine on a tiny random Qwen2 model: contract semantics and KV reuse."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -167,6 +169,18 @@ def test_int4_group_fallbacks(shape, group_size, expected):
             assert relative_error(layer(x), linear(x)) < QUANTIZATION_TOLERANCE["int4"]
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_forwards_over_more_than_dense_rows_use_the_original_weights(scheme):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    layer, _ = quantize.quantize_linear(linear, scheme, dense_rows=4)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), linear(x))  # 5 rows: prefill-sized, dense
+        assert torch.equal(layer(x[:4]), quantize.quantize_linear(linear, scheme)[0](x[:4]))  # 4 rows: quantized
+        assert not torch.equal(layer(x[:4]), linear(x[:4]))
+
+
 def test_unknown_scheme_and_group_size_are_rejected(model_dir):
     with pytest.raises(ValueError, match="weight_quantization must be one of none, int8, int4, got 'fp8'"):
         CausalLMEngine(str(model_dir), weight_quantization="fp8")
@@ -188,8 +202,32 @@ def test_quantized_engine_generates_and_verifies(model_dir, scheme, rows):
     assert verified.tokens == plain.tokens[:7]
     if rows:
         assert np.array_equal(verified.logits, plain.logits[:7])
+    # a prompt longer than quantize.DENSE_ROWS is prefilled with the original weights
+    assert len(e.run(EngineRequest(np.arange(1, 2 * quantize.DENSE_ROWS), 3)).tokens) == 3
     # close to the float model's logits on the same tokens
     sequence = torch.as_tensor(np.concatenate([PROMPT, plain.tokens[:6]]).astype(np.int64)).unsqueeze(0)
     with torch.no_grad():
         reference = engine(model_dir).model(input_ids=sequence).logits[0, -7:]
     assert relative_error(torch.from_numpy(verified.logits), reference) < QUANTIZATION_TOLERANCE[scheme]
+
+
+def test_simulated_speculation_rounds_from_teacher_forced_matches():
+    from coordinator.cpu_engine.measure_agreement import speculation_rounds
+
+    # window 2 over 6 positions: [T T] + target token; [F] -> target token; one token left to draft: [T] + target token
+    assert speculation_rounds([True, True, True, False, True, False], 2) == (3, 5, 3)
+    assert speculation_rounds([True] * 4, 5) == (1, 3, 3)  # the last token is always the target's own
+
+
+def test_measure_agreement_command_runs(model_dir, tmp_path, capsys):
+    from coordinator.cpu_engine.measure_agreement import main
+    from tests.tiny_models import write_tokenizer
+
+    write_tokenizer(tmp_path / "tokenizer")
+    main(["--target-dir", str(model_dir), "--draft-dir", str(model_dir), "--tokenizer-dir", str(tmp_path / "tokenizer"),
+          "--schemes", "none,int4", "--first", "0", "--last", "1", "--tokens", "6", "--threads", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| none") or line.startswith("| int4")]
+    assert len(rows) == 2
+    # 2 prompts x 6 target tokens; the same model as draft and target: (nearly) always agrees
+    agreement = re.match(r"\| none \| ([0-9.]+) \((\d+)/12\) \|", rows[0])
+    assert agreement and float(agreement.group(1)) >= 0.75, rows[0]

@@ -4,6 +4,11 @@ this machine (a cheap draft step, and a target that verifies k+1 tokens for
 not much more than the cost of one).
 
     python -m coordinator.cpu_engine.measure --model-dir DIR [--dtypes float32,bfloat16]
+        [--weight-quantization none,int8,int4]
+
+``--weight-quantization`` measures each model also with weight-only quantized
+linear layers (coordinator/cpu_engine/quantize.py), as the engine's
+``weight_quantization`` parameter loads them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from coordinator.cpu_engine.engine import DTYPES, cpu_has_native_bf16
+from coordinator.cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
 
 
 @torch.inference_mode()
@@ -43,22 +49,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weight-quantization", default="none",
+                        help="comma-separated schemes: none, int8, int4 (default none)")
+    parser.add_argument("--dense-rows", type=int, default=DENSE_ROWS,
+                        help=f"quantized layers use the original weights above this many rows (default {DENSE_ROWS}, "
+                             "the engine's; 0: always the quantized kernels)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.tokens.split(",")]
+    schemes = [check_scheme(s) for s in args.weight_quantization.split(",")]
     print(f"# forward time in ms, {args.threads} threads, {args.context}-token cached context, best of {args.repeats}; "
           f"native bfloat16: {'yes' if cpu_has_native_bf16() else 'no'} (dtype auto picks "
           f"{'bfloat16' if cpu_has_native_bf16() else 'float32'})")
-    print("| model | dtype | " + " | ".join(f"{n} tok" for n in counts) + f" | {counts[-1]} tok / 1 tok |")
-    print("|---|---|" + "---|" * (len(counts) + 1))
+    print("| model | dtype | weights | " + " | ".join(f"{n} tok" for n in counts)
+          + f" | {counts[-1]} tok / {counts[0]} tok |")
+    print("|---|---|---|" + "---|" * (len(counts) + 1))
     for model_dir in args.model_dir:
         for dtype in args.dtypes.split(","):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-            times = [forward_ms(model, args.context, n, args.repeats) for n in counts]
-            name = model_dir.rstrip("/").rsplit("/", 1)[-1]
-            cells = " | ".join(f"{t:.0f}" for t in times)
-            print(f"| {name} | {dtype} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
-            del model
+            for scheme in schemes:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+                quantize_linear_layers(model, scheme, dense_rows=args.dense_rows)
+                times = [forward_ms(model, args.context, n, args.repeats) for n in counts]
+                name = model_dir.rstrip("/").rsplit("/", 1)[-1]
+                cells = " | ".join(f"{t:.1f}" for t in times)
+                print(f"| {name} | {dtype} | {scheme} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
+                del model
 
 
 if __name__ == "__main__":

@@ -27,6 +27,14 @@ fits no int4 group, or whose output size is not a multiple of 16, falls back
 to int8. int8 needs the input size divisible by 16 (the kernel crashes on
 other sizes with more than one row); a layer that fails that stays unquantized.
 ``quantize_linear_layers`` returns what each layer got.
+
+Only small forwards are memory-bound. Over many rows (a prompt's prefill)
+these kernels are compute-bound and much slower than the dense bf16 GEMM, so
+each quantized layer keeps a reference to the original weights and uses them
+for forwards over more than ``dense_rows`` rows (``DENSE_ROWS``, measured with
+``python -m coordinator.cpu_engine.measure --weight-quantization ...``). That
+keeps the original weights in memory (they are what was loaded anyway);
+``dense_rows=0`` drops them.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ SCHEMES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT8_K_MULTIPLE = 16
 _INT4_N_MULTIPLE = 16
+# Forwards over more rows than this (prompt prefill) use the original weights: see the module docstring.
+DENSE_ROWS = 8
 
 
 def check_scheme(scheme: str) -> str:
@@ -54,13 +64,15 @@ def check_scheme(scheme: str) -> str:
 class WeightOnlyLinear(nn.Module):
     """A linear layer with quantized weights; input and output in ``dtype``."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dense_rows: int = 0):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.dtype = linear.weight.dtype
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        # Forwards over more than dense_rows rows use the original weights (0: never; they are dropped).
+        self.dense_rows = dense_rows
+        self.register_buffer("dense_weight", linear.weight.detach() if dense_rows > 0 else None)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] contiguous, self.dtype
         raise NotImplementedError
@@ -68,12 +80,15 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
-            out = rows.new_zeros(0, self.out_features, dtype=self.dtype)
+        if self.dense_weight is not None and rows.shape[0] > self.dense_rows:
+            out = nn.functional.linear(rows.to(self.dtype), self.dense_weight, self.bias)
         else:
-            out = self._matmul(rows.to(self.dtype).contiguous())
-        if self.bias is not None:
-            out = out + self.bias
+            if rows.shape[0] == 0:
+                out = rows.new_zeros(0, self.out_features, dtype=self.dtype)
+            else:
+                out = self._matmul(rows.to(self.dtype).contiguous())
+            if self.bias is not None:
+                out = out + self.bias
         return out.to(x.dtype).view(*leading, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -84,8 +99,8 @@ class WeightOnlyLinear(nn.Module):
 class Int8WeightOnlyLinear(WeightOnlyLinear):
     """Symmetric int8 weights, one scale per output channel."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear)
+    def __init__(self, linear: nn.Linear, dense_rows: int = 0):
+        super().__init__(linear, dense_rows)
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
         quantized = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8)
@@ -109,8 +124,8 @@ class Int4WeightOnlyLinear(WeightOnlyLinear):
     the kernel computes w ~= (q - 8) * scale + zero, so zero = min + 8 * scale.
     """
 
-    def __init__(self, linear: nn.Linear, group_size: int):
-        super().__init__(linear)
+    def __init__(self, linear: nn.Linear, group_size: int, dense_rows: int = 0):
+        super().__init__(linear, dense_rows)
         out_features, in_features = linear.weight.shape
         self.group_size = group_size
         groups = linear.weight.detach().float().reshape(out_features, in_features // group_size, group_size)
@@ -153,7 +168,8 @@ def int4_group_size(in_features: int, out_features: int, group_size: int) -> int
     return None
 
 
-def quantize_linear(linear: nn.Linear, scheme: str, group_size: int = 64) -> tuple[nn.Module, str]:
+def quantize_linear(linear: nn.Linear, scheme: str, group_size: int = 64,
+                    dense_rows: int = 0) -> tuple[nn.Module, str]:
     """The replacement of one linear layer and a short description of what it got."""
     check_scheme(scheme)
     if scheme == "none":
@@ -161,28 +177,32 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int = 64) -> tup
     if scheme == "int4":
         size = int4_group_size(linear.in_features, linear.out_features, group_size)
         if size is not None:
-            return Int4WeightOnlyLinear(linear, size), f"int4 g{size}"
+            return Int4WeightOnlyLinear(linear, size, dense_rows), f"int4 g{size}"
     if linear.in_features % _INT8_K_MULTIPLE == 0:
-        return Int8WeightOnlyLinear(linear), "int8"
+        return Int8WeightOnlyLinear(linear, dense_rows), "int8"
     return linear, "none"
 
 
 @torch.no_grad()
-def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64) -> dict[str, str]:
+def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64,
+                           dense_rows: int = DENSE_ROWS) -> dict[str, str]:
     """Replace every ``nn.Linear`` of ``model`` in place by a weight-only
     quantized one (``scheme``: none, int8 or int4; ``group_size``: int4's group
-    of input channels, one of 32, 64, 128, 256). Returns layer name -> what it
-    got (``int8``, ``int4 g<size>`` or ``none``; see the module docstring for
-    the fallbacks)."""
+    of input channels, one of 32, 64, 128, 256). Forwards over more than
+    ``dense_rows`` rows keep using the original weights (0: drop them and always
+    use the quantized ones). Returns layer name -> what it got (``int8``,
+    ``int4 g<size>`` or ``none``; see the module docstring for the fallbacks)."""
     check_scheme(scheme)
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size!r}")
+    if dense_rows < 0:
+        raise ValueError(f"dense_rows must be >= 0, got {dense_rows}")
     if scheme == "none":
         return {}
     chosen: dict[str, str] = {}
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
-        replacement, description = quantize_linear(linear, scheme, group_size)
+        replacement, description = quantize_linear(linear, scheme, group_size, dense_rows)
         chosen[name] = description
         if replacement is not linear:
             parent_name, _, child = name.rpartition(".")
