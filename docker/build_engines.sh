@@ -42,6 +42,14 @@ MAX_NUM_TOKENS="${MAX_NUM_TOKENS:-8192}"
 # bfloat16 (A100 and H100), float16, or fp8 (H100/Hopper and newer only).
 DTYPE="${DTYPE:-bfloat16}"
 DRAFT_DTYPE="${DRAFT_DTYPE:-}"
+# Weight-only quantization of the draft's GEMMs: none, int8 or int4 (activations
+# stay in --draft-dtype; convert_checkpoint.py --use_weight_only). Only the draft:
+# the target verifies every draft token, so the draft's precision changes the
+# acceptance rate, never the output. Off by default: the CPU engine's draft runs
+# int4 weights (model_repository/draft/configs/cpu.pbtxt has the measurements),
+# but on a GPU a 0.5B draft's step is mostly launch latency at small batch, and
+# this option has not been run on a GPU here: measure acceptance and tokens/s first.
+DRAFT_WEIGHT_ONLY="${DRAFT_WEIGHT_ONLY:-none}"
 # Tensor parallelism of each engine (GPUs per engine).
 TP_SIZE="${TP_SIZE:-1}"
 DRAFT_TP_SIZE="${DRAFT_TP_SIZE:-1}"
@@ -77,6 +85,8 @@ usage: $(basename "$0") --target-hf DIR --draft-hf DIR --output DIR [options]
   --output DIR            where target/, draft/, tokenizer/ are written
   --dtype D               bfloat16 | float16 | fp8            (default ${DTYPE})
   --draft-dtype D         dtype of the draft if different     (default: --dtype)
+  --draft-weight-only P   none | int8 | int4: weight-only quantized draft
+                          GEMMs (bfloat16/float16 draft only)  (default ${DRAFT_WEIGHT_ONLY})
   --tp-size N             tensor parallelism of the target    (default ${TP_SIZE})
   --draft-tp-size N       tensor parallelism of the draft     (default ${DRAFT_TP_SIZE})
   --max-draft-len N       target's maximum draft length       (default ${MAX_DRAFT_LEN})
@@ -128,6 +138,7 @@ while [ "$#" -gt 0 ]; do
         --output) require_value "$@"; OUTPUT_DIR="$2"; shift 2 ;;
         --dtype) require_value "$@"; DTYPE="$2"; shift 2 ;;
         --draft-dtype) require_value "$@"; DRAFT_DTYPE="$2"; shift 2 ;;
+        --draft-weight-only) require_value "$@"; DRAFT_WEIGHT_ONLY="$2"; shift 2 ;;
         --tp-size) require_value "$@"; TP_SIZE="$2"; shift 2 ;;
         --draft-tp-size) require_value "$@"; DRAFT_TP_SIZE="$2"; shift 2 ;;
         --max-draft-len) require_value "$@"; MAX_DRAFT_LEN="$2"; shift 2 ;;
@@ -176,6 +187,13 @@ for dtype in "${DTYPE}" "${DRAFT_DTYPE}"; do
         *) die "dtype must be bfloat16, float16 or fp8, got '${dtype}'" ;;
     esac
 done
+case "${DRAFT_WEIGHT_ONLY}" in
+    none | int8 | int4) ;;
+    *) die "--draft-weight-only must be none, int8 or int4, got '${DRAFT_WEIGHT_ONLY}'" ;;
+esac
+if [ "${DRAFT_WEIGHT_ONLY}" != "none" ] && [ "${DRAFT_DTYPE}" = "fp8" ]; then
+    die "--draft-weight-only ${DRAFT_WEIGHT_ONLY} needs a bfloat16 or float16 draft (--draft-dtype), not fp8"
+fi
 [ "${MAX_SEQ_LEN}" -ge $((MAX_INPUT_LEN + MAX_DRAFT_LEN + 1)) ] \
     || die "--max-seq-len (${MAX_SEQ_LEN}) must be >= max-input-len + max-draft-len + 1 ($((MAX_INPUT_LEN + MAX_DRAFT_LEN + 1)))"
 [ "${MAX_NUM_TOKENS}" -ge "${MAX_INPUT_LEN}" ] \
@@ -319,9 +337,9 @@ print(f"tokenizer: {out_dir} (eos {eos}, pad {pad})")
 PY
 
 # ---- checkpoint conversion -------------------------------------------------------
-# Usage: convert <hf dir> <checkpoint dir> <dtype> <tp size>
+# Usage: convert <hf dir> <checkpoint dir> <dtype> <tp size> [<weight-only precision>|none]
 convert() {
-    local hf="$1" checkpoint="$2" dtype="$3" tp="$4"
+    local hf="$1" checkpoint="$2" dtype="$3" tp="$4" weight_only="${5:-none}"
     if [ "${dtype}" = "fp8" ]; then
         # FP8 weights and FP8 KV cache through ModelOpt post-training quantization;
         # activations stay bfloat16.
@@ -339,11 +357,18 @@ convert() {
             --tp_size "${tp}" \
             "${calib[@]}"
     else
+        local quantization=()
+        if [ "${weight_only}" != "none" ]; then
+            # int8/int4 weights, one scale per output channel; GEMMs dequantize
+            # on the fly (TensorRT-LLM's weight-only matmul plugin).
+            quantization=(--use_weight_only --weight_only_precision "${weight_only}")
+        fi
         run python3 "${CONVERT_SCRIPT}" \
             --model_dir "${hf}" \
             --output_dir "${checkpoint}" \
             --dtype "${dtype}" \
-            --tp_size "${tp}"
+            --tp_size "${tp}" \
+            "${quantization[@]}"
     fi
 }
 
@@ -372,8 +397,8 @@ DRAFT_CKPT="${WORK_DIR}/draft-checkpoint"
 
 log "converting the target (${DTYPE}, tp ${TP_SIZE})"
 convert "${TARGET_HF}" "${TARGET_CKPT}" "${DTYPE}" "${TP_SIZE}"
-log "converting the draft (${DRAFT_DTYPE}, tp ${DRAFT_TP_SIZE})"
-convert "${DRAFT_HF}" "${DRAFT_CKPT}" "${DRAFT_DTYPE}" "${DRAFT_TP_SIZE}"
+log "converting the draft (${DRAFT_DTYPE}, weight-only ${DRAFT_WEIGHT_ONLY}, tp ${DRAFT_TP_SIZE})"
+convert "${DRAFT_HF}" "${DRAFT_CKPT}" "${DRAFT_DTYPE}" "${DRAFT_TP_SIZE}" "${DRAFT_WEIGHT_ONLY}"
 
 mapfile -t target_flags < <(common_build_flags "${DTYPE}" "${TP_SIZE}")
 if [ "${TARGET_GATHER_LOGITS}" = "1" ]; then
@@ -396,7 +421,8 @@ run trtllm-build \
     "${draft_flags[@]}"
 
 # ---- check what was built, and record it ------------------------------------------
-run python3 - "${OUTPUT_DIR}" "${MAX_DRAFT_LEN}" "${TRTLLM_VERSION}" "${DTYPE}" "${DRAFT_DTYPE}" "${TP_SIZE}" "${DRAFT_TP_SIZE}" <<'PY'
+run python3 - "${OUTPUT_DIR}" "${MAX_DRAFT_LEN}" "${TRTLLM_VERSION}" "${DTYPE}" "${DRAFT_DTYPE}" "${TP_SIZE}" "${DRAFT_TP_SIZE}" \
+    "${DRAFT_WEIGHT_ONLY}" <<'PY'
 import json
 import sys
 from pathlib import Path
@@ -435,7 +461,7 @@ if problems:
 info = {
     "tensorrt_llm_version": sys.argv[3],
     "target": {"dtype": sys.argv[4], "tp_size": int(sys.argv[6]), "max_draft_len": max_draft_len},
-    "draft": {"dtype": sys.argv[5], "tp_size": int(sys.argv[7])},
+    "draft": {"dtype": sys.argv[5], "tp_size": int(sys.argv[7]), "weight_only": sys.argv[8]},
 }
 (out / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
 print(f"engines ready in {out}")

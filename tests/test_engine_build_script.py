@@ -154,3 +154,44 @@ def test_dry_run_rejects_bad_arguments(checkpoints, args, message):
     result = dry_run(checkpoints, *args)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def converts_of(result) -> dict[str, list[str]]:
+    converts = [w for w in commands(result, "python3") if w[1].endswith("convert_checkpoint.py")]
+    return {role: next(w for w in converts if flag(w, "--model_dir").endswith(f"{role}-hf")) for role in ("target", "draft")}
+
+
+def test_draft_weight_only_is_off_by_default(checkpoints):
+    assert script_default("DRAFT_WEIGHT_ONLY") == "none"
+    result = dry_run(checkpoints)
+    assert result.returncode == 0, result.stderr
+    for role, words in converts_of(result).items():
+        assert "--use_weight_only" not in words, role
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_dry_run_weight_only_quantizes_the_draft_only(checkpoints, precision):
+    result = dry_run(checkpoints, "--draft-weight-only", precision)
+    assert result.returncode == 0, result.stderr
+    converts = converts_of(result)
+    assert "--use_weight_only" in converts["draft"]
+    assert flag(converts["draft"], "--weight_only_precision") == precision
+    assert flag(converts["draft"], "--dtype") == "bfloat16"  # activations stay bfloat16
+    # the target defines the output: never quantized by this option
+    assert "--use_weight_only" not in converts["target"]
+    assert "--weight_only_precision" not in converts["target"]
+    assert "--gather_generation_logits" in build_of(result, checkpoints, "draft")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--draft-weight-only", "int3"), "--draft-weight-only must be none, int8 or int4"),
+        (("--draft-weight-only", "int8", "--draft-dtype", "fp8"), "needs a bfloat16 or float16 draft"),
+    ],
+)
+def test_dry_run_rejects_bad_weight_only_settings(checkpoints, args, message):
+    result = dry_run(checkpoints, *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not commands(result, "trtllm-build")
