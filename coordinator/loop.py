@@ -97,6 +97,10 @@ async def speculative_decode(
     want_logits = not sampling.greedy
     context = list(prompt_ids)
     produced = 0
+    # Context length each engine had already processed at its last call: a call
+    # that has to catch up on more than one round's tokens (the prompt prefill,
+    # or the draft after plain rounds) is not a steady-state cost sample.
+    draft_seen = target_seen = 0
     while produced < max_new_tokens:
         remaining = max_new_tokens - produced
         k = min(policy.window(), remaining - 1)
@@ -120,14 +124,20 @@ async def speculative_decode(
             context, len(proposal) + 1, sampling, draft_tokens=proposal, draft_logits=proposal_logits
         )
         target_seconds = clock() - started
+        steady = target_seen > 0  # the target caught up on one round's tokens at most
+        draft_steady = draft_seen > 0 and len(context) - draft_seen <= policy.max_window + 1
+        target_seen = len(context)
+        if proposal:
+            draft_seen = len(context)
         emitted = list(verified.tokens)
         if not 1 <= len(emitted) <= len(proposal) + 1:
             raise EngineError(f"target returned {len(emitted)} tokens for a round of {len(proposal)} draft tokens")
         accepted = common_prefix_length(emitted, proposal)
         if proposal:
-            policy.record(len(proposal), accepted, draft_seconds, target_seconds)
+            timed = steady and draft_steady
+            policy.record(len(proposal), accepted, draft_seconds if timed else None, target_seconds if timed else None)
         else:
-            policy.record_plain(target_seconds)
+            policy.record_plain(target_seconds if steady else None)
         emitted = _cut_after_end(emitted[:remaining], end_ids)
         ended = emitted[-1] in end_ids
         if ended:
@@ -146,4 +156,7 @@ def _draft_logits(drafted: EngineOutput, k: int, draft_sampling: SamplingParams,
     logits = np.asarray(drafted.logits[:k], dtype=np.float32)
     if draft_sampling == sampling:  # the target processes them exactly as the draft did
         return logits
-    return draft_logits_for_target(logits, draft_sampling, sampling)
+    try:
+        return draft_logits_for_target(logits, draft_sampling, sampling)
+    except ValueError:  # the target cannot be told q: verify by token matching (lossless for any draft)
+        return None

@@ -168,3 +168,16 @@ def test_adaptive_policy_drafts_long_windows_for_a_cheap_accurate_draft():
     rounds, _ = run([1], 60, draft, target, policy=policy, clock=clock)
     assert policy.mode is Mode.SPECULATING
     assert max(r.drafted for r in rounds) == 6 and rounds[-2].drafted == 6
+
+
+def test_prefill_and_draft_catch_up_calls_are_not_cost_samples():
+    clock = FakeClock()
+    draft = TimedEngine(clock, 0.0, 0.1)
+    target = TimedEngine(clock, 1.0, 0.0)
+    costs = CostModel()
+    policy = SpeculationPolicy(3, 0.0, costs=costs, adaptive=False)
+    run(list(range(1, 200)), 13, draft, target, policy=policy, clock=clock)
+    # 13 tokens in rounds of 4: 3 verify rounds + 1 plain (last token); the first
+    # round (prompt prefill in both engines) is not sampled
+    assert costs.verify[3].samples == 2 and costs.draft[3].samples == 2
+    assert costs.plain_step.samples == 1
