@@ -43,7 +43,10 @@ from coordinator.costmodel import acceptance_from_rounds, predicted_speedup
 
 HUMANEVAL_PROBLEMS = 164
 HUMANEVAL_RESERVED = 100  # problems 100-163 are held out for independent acceptance measurement
-RANDOM_PREFIX = "Continue this sequence exactly:\n"
+# Raw random characters, no instruction: the models continue with noise of their
+# own on which they disagree (measured acceptance ~0.3 at window 5). With an
+# instruction to repeat the sequence both copy it and the draft is accurate.
+RANDOM_PREFIX = ""
 RANDOM_ALPHABET = string.ascii_letters + string.digits + string.punctuation
 RANDOM_CHARS = 200
 TARGET_FRACTION = 0.9  # issue 3: measured speed-up >= 90 % of the predicted one

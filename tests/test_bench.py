@@ -14,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from coordinator import bench
 from coordinator.bench import (
+    RANDOM_PREFIX,
     PLAIN,
     BenchError,
     Mode,
@@ -72,8 +73,8 @@ def test_random_prompts_are_reproducible_random_characters():
     assert [p for p, _ in prompts] == ["random/0", "random/1", "random/2"]
     allowed = set(string.ascii_letters + string.digits + string.punctuation)
     for _, prompt in prompts:
-        assert prompt.startswith("Continue this sequence exactly:\n")
-        tail = prompt[len("Continue this sequence exactly:\n"):]
+        assert prompt.startswith(RANDOM_PREFIX)
+        tail = prompt[len(RANDOM_PREFIX):]
         assert len(tail) == 200 and set(tail) <= allowed
     assert len({prompt for _, prompt in prompts}) == 3
 
