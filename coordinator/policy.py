@@ -21,6 +21,9 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    is predicted to pay). Without ``adaptive`` the window is ``max_window``.
 4. A failing draft engine switches the request to plain decoding for good
    (no probes): the request completes on the target alone.
+5. The first round is a plain target step (``first_round_plain``): the
+   prompt's prefill is then the only work before the first token, so time to
+   first token is that of plain decoding; the draft catches up in round two.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class SpeculationPolicy:
     hysteresis: float = 0.1
     prior_acceptance: float = 0.5  # used until the server has measured any
     prior_trials: float = 4.0
+    first_round_plain: bool = True
 
     mode: Mode = Mode.SPECULATING
     reason: str = ""  # why the request last stopped speculating ("" if it never did)
@@ -61,6 +65,7 @@ class SpeculationPolicy:
     _interval: int = 0
     _probe_drafted: int = 0
     _probe_accepted: int = 0
+    _rounds: int = 0
 
     def __post_init__(self) -> None:
         self._interval = self.probe_interval
@@ -69,6 +74,8 @@ class SpeculationPolicy:
     def window(self) -> int:
         """Tokens to draft in the next round (0: a plain target step)."""
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
+            return 0
+        if self.first_round_plain and self._rounds == 0:
             return 0
         if self.mode is not Mode.SPECULATING:
             return min(self.probe_window, self.max_window) if self._plain_rounds >= self._interval else 0
@@ -102,6 +109,7 @@ class SpeculationPolicy:
         self, drafted: int, accepted: int, draft_seconds: float | None = None, verify_seconds: float | None = None
     ) -> None:
         """A round that verified ``drafted`` tokens (``accepted`` of them) finished (timings if measured)."""
+        self._rounds += 1
         if drafted <= 0:
             return
         rejected = accepted < drafted
@@ -126,6 +134,7 @@ class SpeculationPolicy:
 
     def record_plain(self, seconds: float | None = None) -> None:
         """A plain target step finished."""
+        self._rounds += 1
         if seconds is not None:
             self.costs.observe_plain(seconds)
         self._plain_rounds += 1

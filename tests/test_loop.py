@@ -13,7 +13,7 @@ GREEDY = SamplingParams()
 
 def run(prompt, max_new, draft, target, window=4, threshold=0.0, sampling=GREEDY, end_ids=(999,), policy=None,
         draft_sampling=None, clock=None):
-    policy = policy or SpeculationPolicy(window, threshold, adaptive=False)
+    policy = policy or SpeculationPolicy(window, threshold, adaptive=False, first_round_plain=False)
     extra = {"clock": clock} if clock else {}
 
     async def collect():
@@ -154,7 +154,7 @@ def test_adaptive_policy_stops_drafting_when_the_draft_costs_too_much():
     # a draft token costs as much as a target step: no window can pay
     draft = TimedEngine(clock, 0.0, 1.0, noisy(toy_logits, 2))
     target = TimedEngine(clock, 1.0, 0.0)
-    policy = SpeculationPolicy(4, 0.0, costs=CostModel())
+    policy = SpeculationPolicy(4, 0.0, costs=CostModel(), first_round_plain=False)
     rounds, _ = run([1], 60, draft, target, policy=policy, clock=clock)
     assert policy.mode is Mode.UNPROFITABLE
     assert sum(r.drafted for r in rounds[10:]) <= 2 * 3  # probes only
@@ -164,7 +164,7 @@ def test_adaptive_policy_drafts_long_windows_for_a_cheap_accurate_draft():
     clock = FakeClock()
     draft = TimedEngine(clock, 0.0, 0.05)
     target = TimedEngine(clock, 1.0, 0.01)
-    policy = SpeculationPolicy(6, 0.3, costs=CostModel())
+    policy = SpeculationPolicy(6, 0.3, costs=CostModel(), first_round_plain=False)
     rounds, _ = run([1], 60, draft, target, policy=policy, clock=clock)
     assert policy.mode is Mode.SPECULATING
     assert max(r.drafted for r in rounds) == 6 and rounds[-2].drafted == 6
@@ -175,7 +175,7 @@ def test_prefill_and_draft_catch_up_calls_are_not_cost_samples():
     draft = TimedEngine(clock, 0.0, 0.1)
     target = TimedEngine(clock, 1.0, 0.0)
     costs = CostModel()
-    policy = SpeculationPolicy(3, 0.0, costs=costs, adaptive=False)
+    policy = SpeculationPolicy(3, 0.0, costs=costs, adaptive=False, first_round_plain=False)
     run(list(range(1, 200)), 13, draft, target, policy=policy, clock=clock)
     # 13 tokens in rounds of 4: 3 verify rounds + 1 plain (last token); the first
     # round (prompt prefill in both engines) is not sampled

@@ -14,7 +14,7 @@ def measured_costs(draft=0.1, verify=1.0, windows=range(1, 9)):
 
 
 def fixed(window=4, threshold=0.3, **kwargs):
-    return SpeculationPolicy(window, threshold, adaptive=False, **kwargs)
+    return SpeculationPolicy(window, threshold, adaptive=False, first_round_plain=False, **kwargs)
 
 
 def test_fixed_window_drafts_max_window():
@@ -140,11 +140,11 @@ def test_new_requests_start_from_the_server_wide_acceptance():
     costs = measured_costs(draft=0.1)
     for _ in range(100):
         costs.observe_acceptance(0, rejected=True)  # the server has seen nothing accepted
-    assert SpeculationPolicy(6, 0.0, costs=costs).window() == 0
+    assert SpeculationPolicy(6, 0.0, costs=costs, first_round_plain=False).window() == 0
     costs = measured_costs(draft=0.1)
     for _ in range(100):
         costs.observe_acceptance(6, rejected=False)
-    assert SpeculationPolicy(6, 0.0, costs=costs).window() == 6
+    assert SpeculationPolicy(6, 0.0, costs=costs, first_round_plain=False).window() == 6
 
 
 def test_rounds_feed_the_shared_cost_model():
@@ -154,3 +154,10 @@ def test_rounds_feed_the_shared_cost_model():
     policy.record(4, 3, draft_seconds=0.08, verify_seconds=0.22)
     assert abs(costs.draft_cost(4) - 0.1) < 1e-9
     assert abs(costs.verify_cost(4) - 1.1) < 1e-9
+
+
+def test_first_round_is_plain_so_the_first_token_costs_what_plain_decoding_costs():
+    policy = SpeculationPolicy(4, 0.3, adaptive=False)
+    assert policy.window() == 0
+    policy.record_plain(1.0)
+    assert policy.window() == 4
