@@ -111,3 +111,35 @@ def test_unknown_outcome_is_rejected():
     metrics, _, _ = recorder()
     with pytest.raises(ValueError, match="outcome"):
         metrics.start_request().finish("ok")
+
+
+def test_readme_promql_examples_parse_and_use_exported_names():
+    import re
+    from pathlib import Path
+
+    import promql_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("Example PromQL:", 1)[1].split("```", 2)[1]
+    queries = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(queries) >= 3
+    exported = {spec.name for spec in ALL_SPECS}
+    for query in queries:
+        promql_parser.parse(query)
+        for name in re.findall(r"specdec_[a-z_]+", query):
+            assert re.sub(r"_(bucket|count|sum)$", "", name) in exported, name
+
+
+def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    rules_file = Path(__file__).resolve().parents[1] / "k8s" / "base" / "prometheusrule.yaml"
+    rules = [r for group in yaml.safe_load(rules_file.read_text())["spec"]["groups"] for r in group["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    exported = {spec.name for spec in ALL_SPECS}
+    used = {name for r in rules for name in re.findall(r"specdec_[a-z_:]+", r["expr"])}
+    assert used, "the rules use specdec_* metrics"
+    assert used <= exported | recorded, used - exported - recorded
