@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast bench tools clean-venv
+.PHONY: serve test test-fast bench loadtest tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,31 @@ BENCH_ARGS ?=
 BENCH_DIR ?= bench-results
 bench: $(STAMP)
 	$(VENV)/bin/specdec-bench --json $(BENCH_DIR)/bench.json --png $(BENCH_DIR)/bench.png $(BENCH_ARGS)
+
+# Locust load test (loadtests/) against a running server (`make serve`): for
+# each user count of LOADTEST_STEPS, LOADTEST_STEP_SECONDS with speculation on,
+# then as long with it off; then it stops. Writes locust's CSV and HTML reports,
+# the per-step table and a PNG plot into LOADTEST_DIR (under the ignored
+# reports/); exits non-zero if any request failed. LOADTEST_ARGS: more options
+# (--prompts-file, --temperature, --stream-ratio, --spec-window; loadtests/README.md).
+LOADTEST_HOST ?= 127.0.0.1:8001
+LOADTEST_STEPS ?= 1,2,4
+LOADTEST_MODES ?= on,off
+LOADTEST_STEP_SECONDS ?= 60
+LOADTEST_MAX_TOKENS ?= 64
+LOADTEST_DIR ?= reports/loadtest
+LOADTEST_ARGS ?=
+LOADTEST_STAMP := $(VENV)/.loadtest-stamp
+$(LOADTEST_STAMP): $(STAMP) requirements/loadtest.txt
+	$(VENV)/bin/python -m pip install -r requirements/loadtest.txt
+	touch $@
+
+loadtest: $(LOADTEST_STAMP)
+	mkdir -p $(LOADTEST_DIR)
+	$(VENV)/bin/locust -f loadtests/locustfile.py --headless --only-summary \
+		--host $(LOADTEST_HOST) --steps $(LOADTEST_STEPS) --modes $(LOADTEST_MODES) \
+		--step-seconds $(LOADTEST_STEP_SECONDS) --max-tokens $(LOADTEST_MAX_TOKENS) \
+		--csv $(LOADTEST_DIR)/locust --html $(LOADTEST_DIR)/locust.html $(LOADTEST_ARGS)
 
 # Lint/check tools that are not Python packages (installed idempotently).
 tools:
