@@ -23,22 +23,32 @@ from coordinator.cpu_engine.engine import DTYPES, cpu_has_native_bf16
 from coordinator.cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
 
 
-@torch.inference_mode()
+class ForwardTimer:
+    """Times forwards of one model after a fixed cached context (the new tokens are cropped again)."""
+
+    @torch.inference_mode()
+    def __init__(self, model, context: int):
+        self.model = model
+        self.vocab = model.config.vocab_size
+        self.generator = torch.Generator().manual_seed(0)
+        self.cache = DynamicCache(config=model.config)
+        prefix = torch.randint(0, self.vocab, (1, context), generator=self.generator)
+        model(input_ids=prefix, past_key_values=self.cache, use_cache=True)
+
+    @torch.inference_mode()
+    def once_ms(self, new_tokens: int) -> float:
+        tokens = torch.randint(0, self.vocab, (1, new_tokens), generator=self.generator)
+        start = time.perf_counter()
+        self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True)
+        elapsed = time.perf_counter() - start
+        self.cache.crop(-new_tokens)
+        return elapsed * 1000
+
+
 def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
     """Best-of-``repeats`` time of one forward over ``new_tokens`` after ``context`` cached tokens."""
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=generator)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
-    best = float("inf")
-    for _ in range(repeats):
-        tokens = torch.randint(0, vocab, (1, new_tokens), generator=generator)
-        start = time.perf_counter()
-        model(input_ids=tokens, past_key_values=cache, use_cache=True)
-        best = min(best, time.perf_counter() - start)
-        cache.crop(-new_tokens)
-    return best * 1000
+    timer = ForwardTimer(model, context)
+    return min(timer.once_ms(new_tokens) for _ in range(repeats))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,26 +64,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dense-rows", type=int, default=DENSE_ROWS,
                         help=f"quantized layers use the original weights above this many rows (default {DENSE_ROWS}, "
                              "the engine's; 0: always the quantized kernels)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="load every variant at once and time them in turn each repeat, so a busy machine "
+                             "slows all of them alike (needs the memory of all of them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.tokens.split(",")]
     schemes = [check_scheme(s) for s in args.weight_quantization.split(",")]
-    print(f"# forward time in ms, {args.threads} threads, {args.context}-token cached context, best of {args.repeats}; "
-          f"native bfloat16: {'yes' if cpu_has_native_bf16() else 'no'} (dtype auto picks "
+    variants = [(d, t, s) for d in args.model_dir for t in args.dtypes.split(",") for s in schemes]
+    print(f"# forward time in ms, {args.threads} threads, {args.context}-token cached context, best of {args.repeats}"
+          f"{' (interleaved)' if args.interleave else ''}; native bfloat16: "
+          f"{'yes' if cpu_has_native_bf16() else 'no'} (dtype auto picks "
           f"{'bfloat16' if cpu_has_native_bf16() else 'float32'})")
     print("| model | dtype | weights | " + " | ".join(f"{n} tok" for n in counts)
           + f" | {counts[-1]} tok / {counts[0]} tok |")
     print("|---|---|---|" + "---|" * (len(counts) + 1))
-    for model_dir in args.model_dir:
-        for dtype in args.dtypes.split(","):
-            for scheme in schemes:
-                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-                quantize_linear_layers(model, scheme, dense_rows=args.dense_rows)
-                times = [forward_ms(model, args.context, n, args.repeats) for n in counts]
-                name = model_dir.rstrip("/").rsplit("/", 1)[-1]
-                cells = " | ".join(f"{t:.1f}" for t in times)
-                print(f"| {name} | {dtype} | {scheme} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
-                del model
+
+    def load(model_dir, dtype, scheme):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+        quantize_linear_layers(model, scheme, dense_rows=args.dense_rows)
+        return ForwardTimer(model, args.context)
+
+    def report(variant, times):
+        model_dir, dtype, scheme = variant
+        name = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        cells = " | ".join(f"{t:.1f}" for t in times)
+        print(f"| {name} | {dtype} | {scheme} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
+
+    if args.interleave:
+        timers = [load(*variant) for variant in variants]
+        best = [[float("inf")] * len(counts) for _ in variants]
+        for _ in range(args.repeats):
+            for timer, row in zip(timers, best):
+                for i, n in enumerate(counts):
+                    row[i] = min(row[i], timer.once_ms(n))
+        for variant, row in zip(variants, best):
+            report(variant, row)
+        return
+    for variant in variants:
+        timer = load(*variant)
+        report(variant, [min(timer.once_ms(n) for _ in range(args.repeats)) for n in counts])
+        del timer
 
 
 if __name__ == "__main__":
