@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast bench loadtest tools clean-venv
+.PHONY: serve test test-fast bench loadtest soak tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ bench: $(STAMP)
 LOADTEST_HOST ?= 127.0.0.1:8001
 LOADTEST_STEPS ?= 1,2,4
 LOADTEST_MODES ?= on,off
-LOADTEST_STEP_SECONDS ?= 60
+LOADTEST_STEP_SECONDS ?= 120
 LOADTEST_MAX_TOKENS ?= 64
 LOADTEST_DIR ?= reports/loadtest
 LOADTEST_ARGS ?=
@@ -49,6 +49,19 @@ loadtest: $(LOADTEST_STAMP)
 		--host $(LOADTEST_HOST) --steps $(LOADTEST_STEPS) --modes $(LOADTEST_MODES) \
 		--step-seconds $(LOADTEST_STEP_SECONDS) --max-tokens $(LOADTEST_MAX_TOKENS) \
 		--csv $(LOADTEST_DIR)/locust --html $(LOADTEST_DIR)/locust.html $(LOADTEST_ARGS)
+
+# Soak test against a running server (`make serve`, on this machine so its
+# processes' memory can be read): SOAK_USERS users for SOAK_SECONDS, then a
+# report of errors and the RSS growth of tritonserver and its model stubs in
+# SOAK_JSON; exits non-zero on any error or growth >= 10 % (specdec-soak --help).
+SOAK_URL ?= 127.0.0.1:8001
+SOAK_USERS ?= 4
+SOAK_SECONDS ?= 600
+SOAK_JSON ?= reports/soak/soak.json
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(VENV)/bin/specdec-soak --url $(SOAK_URL) --users $(SOAK_USERS) --duration $(SOAK_SECONDS) \
+		--json $(SOAK_JSON) $(SOAK_ARGS)
 
 # Lint/check tools that are not Python packages (installed idempotently).
 tools:

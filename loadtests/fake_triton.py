@@ -11,7 +11,8 @@ contain a marker misbehave on purpose, to check that failures are counted:
 * ``#fake:error``   an error response (as for invalid input);
 * ``#fake:nofinal`` two chunks, then the stream ends without a final response;
 * ``#fake:hang``    nothing at all (the client's timeout must fire);
-* ``#fake:abort``   the RPC fails with UNAVAILABLE (a server going away).
+* ``#fake:abort``   the RPC fails with UNAVAILABLE (a server going away);
+* ``#fake:slow``    a normal answer, 3 s late (a request longer than a phase).
 
 Run: ``python -m loadtests.fake_triton --port 8001`` (prints ``ready <port>``).
 """
@@ -118,7 +119,7 @@ class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
             while context.is_active():
                 time.sleep(0.05)
             return
-        time.sleep(self.first_token_seconds)
+        time.sleep(self.first_token_seconds + (3.0 if "#fake:slow" in prompt else 0.0))
         emitted, drafted, accepted, pieces = 0, 0, 0, []
         while emitted < max_tokens:
             step = min(window + 1, max_tokens - emitted) if window > 0 else 1

@@ -112,7 +112,7 @@ def _on_init(environment, **_):
     if options is None or _STATE["role"] == "worker":
         return
     _validate(options)
-    if options.headless and not options.skip_ready_check:
+    if (options.headless or options.autostart) and not options.skip_ready_check:
         _require_ready(environment.host)
 
 
@@ -133,8 +133,8 @@ def _validate(options) -> None:
 
 
 def _require_ready(host: str | None) -> None:
-    """A headless run against a server that is not up would only count
-    failures: say so plainly and stop (exit code 2) before starting."""
+    """A run that starts by itself (headless, --autostart) against a server
+    that is not up would only count failures: say so and stop (exit code 2)."""
     url = grpc_url(host)
     try:
         with grpcclient.InferenceServerClient(url) as client:
@@ -216,6 +216,11 @@ def _write_reports(environment) -> None:
     failures = sum(not r.ok for r in records)
     header = (f"\nspecdec load test: {len(records)} requests recorded, {failures} failed, "
               f"{len(phases)} phases, host {environment.host}\n")
+    if not records and options and options.headless:
+        # Zero failures and zero requests is no result: no request finished in time.
+        log.error("no request finished: each phase (--step-seconds) must be longer than a request takes "
+                  "(or pass --stop-timeout to let requests in flight finish at the end)")
+        environment.process_exit_code = 1
     if prefix:
         title = (f"coordinator at {environment.host}: max_tokens {options.max_tokens}, temperature "
                  f"{options.temperature}, {options.step_seconds:g} s per phase")
@@ -298,7 +303,9 @@ class _CoordinatorUser(User):
         temperature = self.rng.choice(self.temperatures)
         stream = self.rng.random() < self.options.stream_ratio
         window = self.window()
-        inputs = build_inputs(prompt, max_tokens, speculation_window=window, temperature=temperature, stream=stream)
+        adaptive = {"true": True, "false": False}.get(self.options.adaptive_window) if self.mode == "on" else None
+        inputs = build_inputs(prompt, max_tokens, speculation_window=window, temperature=temperature, stream=stream,
+                              adaptive_window=adaptive)
         name = request_name(self.label, stream)
         self.sent += 1
         request_id = f"locust-{self.worker or 0}-{id(self) % 100000}-{self.sent}"
@@ -376,42 +383,67 @@ def _prompts(options) -> list[tuple[str, str]]:
 class StepRamp(LoadTestShape):
     """--steps x --modes phases of --step-seconds each, then stop.
 
-    Locust's dispatcher only applies a tick's user classes to users it spawns,
-    so a phase that changes the classes first stops every user (one tick at 0
-    users, about a second) and then spawns the new ones."""
+    Locust's dispatcher applies a tick's user classes only to users it spawns,
+    so a phase that changes the classes first stops every user (ticks at 0
+    users) and starts the new ones once none is left: with --stop-timeout the
+    old users finish their requests first, without it they are cancelled at
+    once. Either way the phases never overlap, and each lasts --step-seconds
+    from its own start."""
+
+    DRAIN_MARGIN = 30.0  # seconds beyond --stop-timeout to wait for the users of a phase to stop
 
     def __init__(self):
         super().__init__()
-        self._phase: int | None = None
-        self._classes: list | None = None
+        self._reset_state()
 
-    def reset_time(self):  # called by locust when the shape starts a run
+    def _reset_state(self) -> None:
+        self._index = -1  # the phase running (or about to start)
+        self._started = 0.0  # its start, perf_counter
+        self._draining_since: float | None = None
+
+    def reset_time(self):  # locust calls it when the shape starts a run
         super().reset_time()
-        self._phase, self._classes = None, None
+        self._reset_state()
         _reset_run()
 
     def tick(self):
         options = self.runner.environment.parsed_options
         phases = build_phases(options.steps, options.modes)
-        index = int(self.get_run_time() // options.step_seconds)
-        if index >= len(phases):
-            _close_phase(time.time())
-            return None
-        users, mode = phases[index]
-        classes = USER_CLASSES[mode]
-        if self._phase != index:
-            now = time.time()
-            _close_phase(now)
-            if self._classes is not None and self._classes != classes and self._phase is not None:
-                self._phase = None  # the next tick starts the new users
+        now = time.perf_counter()
+        if self._draining_since is not None:
+            waited = now - self._draining_since
+            limit = (self.runner.environment.stop_timeout or 0) + self.DRAIN_MARGIN
+            if self.get_current_user_count() > 0 and waited < limit:
                 return 0, 100.0
-            self._phase, self._classes = index, classes
-            with _LOCK:
-                PHASES.append(Phase(index=index, users=users, mode=mode, start=now, end=0.0))
-            log.info("phase %d/%d: %d user(s), speculation %s, until %g s", index + 1, len(phases), users, mode,
-                     (index + 1) * options.step_seconds)
+            if waited >= limit:
+                log.warning("users of the last phase still running after %.0f s; starting the next phase", waited)
+            self._draining_since = None
+            return self._start(self._index, phases, now)
+        if self._index < 0:
+            return self._start(0, phases, now)
+        if now - self._started < options.step_seconds:
+            users, mode = phases[self._index]
+            return users, 100.0, USER_CLASSES[mode]
+        following = self._index + 1
+        if following >= len(phases):
+            # The last phase lasts until its users have stopped (with
+            # --stop-timeout they finish their requests): test_stop ends it.
+            return None
+        _close_phase(time.time())
+        if USER_CLASSES[phases[following][1]] != USER_CLASSES[phases[self._index][1]]:
+            self._index, self._draining_since = following, now
+            return 0, 100.0
+        return self._start(following, phases, now)
+
+    def _start(self, index: int, phases, now: float):
+        users, mode = phases[index]
+        self._index, self._started = index, now
+        with _LOCK:
+            PHASES.append(Phase(index=index, users=users, mode=mode, start=time.time(), end=0.0))
+        log.info("phase %d/%d: %d user(s), speculation %s, for %g s", index + 1, len(phases), users, mode,
+                 self.runner.environment.parsed_options.step_seconds)
         # Spawn at once: a step is a step, not a ramp within the phase.
-        return users, 100.0, classes
+        return users, 100.0, USER_CLASSES[mode]
 
 
 def _close_phase(now: float) -> None:

@@ -190,7 +190,12 @@ def notes(rows: list[SummaryRow]) -> list[str]:
     spanning = sum(r.spanning for r in rows)
     if spanning:
         out.append(f"{spanning} request(s) straddled a change of concurrency and are left out of the latency columns.")
-    thin = [r for r in rows if r.measured < 3]
+    empty = [r for r in rows if r.measured == 0]
+    if empty:
+        out.append("no request started and ended within "
+                   + ", ".join(f"{r.users} user(s)/{r.speculation}" for r in empty)
+                   + ": the phase was shorter than a request; lengthen --step-seconds or lower --max-tokens.")
+    thin = [r for r in rows if 0 < r.measured < 3]
     if thin:
         out.append("fewer than 3 measured requests in "
                    + ", ".join(f"{r.users} user(s)/{r.speculation}" for r in thin)

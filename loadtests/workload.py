@@ -21,13 +21,16 @@ OPTIONS = [
     ("--temperature", dict(default="0", help="temperature, or a comma list to draw from (default 0: greedy)")),
     ("--spec-window", dict(default="", help="speculation_window of speculative requests "
                                             "(default: not sent, the server's own)")),
+    ("--adaptive-window", dict(choices=("", "true", "false"), default="",
+                               help="adaptive_window of speculative requests: true (the cost model picks each round's "
+                                    "window), false (always the full window); default: not sent, the server's own")),
     ("--stream-ratio", dict(type=float, default=1.0, help="share of requests sent with stream=true (default 1); "
                                                           "the others get one response and report no ttft/itl")),
     ("--request-timeout", dict(type=float, default=300.0, help="seconds to the final response (default 300)")),
     ("--think-time", dict(type=float, default=0.0, help="pause between a user's requests, s (default 0)")),
     ("--steps", dict(default="1,2,4", help="concurrent users of each step (default 1,2,4)")),
     ("--modes", dict(default="on,off", help="phases of each step, in order: on, off or mix (default on,off)")),
-    ("--step-seconds", dict(type=float, default=60.0, help="duration of each phase, s (default 60)")),
+    ("--step-seconds", dict(type=float, default=120.0, help="duration of each phase, s (default 120)")),
     ("--prompt-order", dict(choices=("sequential", "random"), default="sequential",
                             help="sequential (default): every phase of a mode walks the prompts from the first, so "
                                  "speculation on and off get the same prompts; random: drawn with --seed")),

@@ -338,6 +338,80 @@ def test_locust_counts_every_failure(fake_server, tmp_path):
     assert {r["prompt"] for r in requests if r["ok"] == "True"} == {"prompts.jsonl:4"}
 
 
+def test_a_run_without_a_finished_request_fails_unless_requests_may_finish(fake_server, tmp_path):
+    prompts = tmp_path / "slow.jsonl"
+    prompts.write_text(json.dumps({"id": "slow", "prompt": "x #fake:slow"}) + "\n")
+    common = ["--headless", "--only-summary", "--host", fake_server, "--steps", "1", "--modes", "on",
+              "--step-seconds", "1", "--max-tokens", "4", "--prompts-file", str(prompts)]
+    cut = _locust([*common, "--csv", str(tmp_path / "cut")], tmp_path)
+    assert cut.returncode == 1, "zero requests is no result"
+    assert "no request finished" in cut.stderr
+    assert "no request started and ended within 1 user(s)/on" in cut.stdout
+    waited = _locust([*common, "--stop-timeout", "20", "--csv", str(tmp_path / "waited")], tmp_path)
+    assert waited.returncode == 0, (waited.stdout + waited.stderr)[-3000:]
+    with open(tmp_path / "waited_specdec_summary.csv") as source:
+        (row,) = list(csv.DictReader(source))
+    assert (row["requests"], row["measured"], row["spanning"]) == ("1", "1", "0")
+
+
+def test_phases_never_overlap(fake_server, tmp_path):
+    """With --stop-timeout the users of a phase finish their requests before
+    the next phase's users start: no request of one mode runs under the other's load."""
+    prompts = tmp_path / "slow.jsonl"
+    prompts.write_text(json.dumps({"id": "slow", "prompt": "x #fake:slow"}) + "\n")
+    prefix = tmp_path / "locust"
+    proc = _locust(["--headless", "--only-summary", "--host", fake_server, "--steps", "1", "--modes", "on,off",
+                    "--step-seconds", "1", "--max-tokens", "4", "--prompts-file", str(prompts),
+                    "--adaptive-window", "false", "--stop-timeout", "20", "--csv", str(prefix)], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    with open(f"{prefix}_specdec_requests.csv") as source:
+        requests = {r["mode"]: r for r in csv.DictReader(source)}
+    with open(f"{prefix}_specdec_phases.csv") as source:
+        phases = list(csv.DictReader(source))
+    assert [p["mode"] for p in phases] == ["on", "off"]
+    spec, plain = requests["on"], requests["off"]
+    assert float(spec["ended"]) <= float(phases[1]["start"]) <= float(plain["started"])
+    with open(f"{prefix}_specdec_summary.csv") as source:
+        rows = {r["speculation"]: r for r in csv.DictReader(source)}
+    # The speculative request outlived its 1 s phase: throughput of nobody, latency of nobody.
+    assert (rows["on"]["measured"], rows["on"]["spanning"]) == ("0", "1")
+    assert rows["off"]["measured"] == "1"  # the last phase lasts until its users stopped
+
+
+def test_web_ui_mode_as_in_kubernetes(fake_server, tmp_path):
+    """k8s/loadtest runs the master with --autostart --autoquit (web UI, not headless):
+    the run starts by itself, /specdec serves the table, the reports are written."""
+    import urllib.request
+
+    port = _free_port()
+    prefix = tmp_path / "locust"
+    process = subprocess.Popen(
+        [str(LOCUST), "-f", str(LOCUSTFILE), "--autostart", "--autoquit", "5", "--web-host", "127.0.0.1",
+         "--web-port", str(port), "--host", fake_server, "--steps", "1", "--modes", "on", "--step-seconds", "2",
+         "--max-tokens", "4", "--csv", str(prefix)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        table = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "| 1 | on |" not in table:
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/specdec", timeout=5) as response:
+                    table = response.read().decode()
+            except OSError:
+                continue
+        assert "| 1 | on |" in table, table
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    with open(f"{prefix}_specdec_summary.csv") as source:
+        (row,) = list(csv.DictReader(source))
+    assert int(row["requests"]) > 0 and row["errors"] == "0"
+    assert output.count("specdec load test:") == 1, "the report is written once per run"
+
+
 def test_locust_master_and_worker(fake_server, tmp_path):
     """The distributed mode of k8s/loadtest: records travel from the worker to the master."""
     port = _free_port()
