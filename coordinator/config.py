@@ -19,6 +19,7 @@ ENV_OVERRIDES = {
     "speculation_window": "SPECDEC_SPECULATION_WINDOW",
     "fallback_threshold": "SPECDEC_FALLBACK_THRESHOLD",
     "adaptive_window": "SPECDEC_ADAPTIVE_WINDOW",
+    "draft_timeout_seconds": "SPECDEC_DRAFT_TIMEOUT_SECONDS",
 }
 
 
@@ -39,6 +40,10 @@ class CoordinatorSettings:
     default_max_tokens: int = 128
     max_context_tokens: int = 4096
     tokenizer_dir: str = ""
+    # Deadline of one draft call (queueing included). A draft that answers later
+    # is treated as failed for that request, which goes on with the target
+    # alone; 0 waits forever.
+    draft_timeout_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
@@ -53,6 +58,10 @@ class CoordinatorSettings:
             raise SettingsError(
                 f"default_max_tokens must be between 1 and max_tokens_limit ({self.max_tokens_limit}), "
                 f"got {self.default_max_tokens}"
+            )
+        if not (self.draft_timeout_seconds >= 0.0 and self.draft_timeout_seconds < float("inf")):
+            raise SettingsError(
+                f"draft_timeout_seconds must be a finite number >= 0 (0 = no deadline), got {self.draft_timeout_seconds}"
             )
         if self.max_context_tokens < 2:
             raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")

@@ -4,7 +4,7 @@ direct mapping of the chunks this yields."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -13,7 +13,7 @@ from coordinator.costmodel import CostModel
 from coordinator.loop import Engine, Round, speculative_decode
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
-from coordinator.request import GenerationRequest, check_context
+from coordinator.request import GenerationRequest, check_context, check_prompt_size
 from coordinator.text import CompletionText
 from coordinator.tokenizer import Codec
 
@@ -51,6 +51,10 @@ class Stats:
             self.plain_seconds += round_.target_seconds
 
 
+class RequestCancelled(Exception):
+    """The client cancelled the request; generation stopped after the current round."""
+
+
 @dataclass(frozen=True)
 class Chunk:
     text: str
@@ -67,10 +71,14 @@ async def generate_text(
     settings: CoordinatorSettings,
     costs: CostModel | None = None,
     metrics: RequestMetrics | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Yield text deltas; the last chunk has ``final`` set and carries the stats.
 
-    ``costs`` is the server-wide cost model shared by all requests."""
+    ``costs`` is the server-wide cost model shared by all requests.
+    ``cancelled`` is asked after every round; when it says yes, no further
+    engine call is made and ``RequestCancelled`` is raised."""
+    check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
     policy = SpeculationPolicy(
@@ -90,6 +98,7 @@ async def generate_text(
         sampling=request.sampling,
         draft_sampling=request.draft_sampling,
         end_ids=codec.special.eos_token_ids,
+        draft_timeout=settings.draft_timeout_seconds,
     )
     async with aclosing(rounds):
         async for round_ in rounds:
@@ -97,6 +106,8 @@ async def generate_text(
             stats.fallback_reason = policy.reason
             if metrics is not None:
                 metrics.round(round_, policy)
+            if cancelled is not None and not round_.finished and cancelled():
+                raise RequestCancelled()
             delta = text.append(round_.tokens, final=round_.finished)
             if text.stopped or round_.finished:
                 yield Chunk(delta, True, stats)

@@ -8,10 +8,15 @@ For sampled requests the draft also returns its logits and the target
 verifies by rejection sampling, so the output is distributed exactly as the
 target's. Every engine call is timed for the policy's cost model. Engines are
 awaited, so many requests interleave their rounds on one coordinator.
+
+A draft call that raises, or does not answer within ``draft_timeout`` seconds,
+switches the request to target-only decoding (``policy.draft_failed``); the
+late call is left to finish in the background and its answer is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
@@ -53,6 +58,10 @@ class EngineError(RuntimeError):
     """An engine failed or answered outside its contract."""
 
 
+class DraftTimeout(EngineError):
+    """The draft did not answer within the coordinator's draft_timeout_seconds."""
+
+
 @dataclass(frozen=True)
 class Round:
     tokens: list[int]  # emitted this round, end token excluded
@@ -90,9 +99,11 @@ async def speculative_decode(
     end_ids: Collection[int],
     draft_sampling: SamplingParams | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    draft_timeout: float | None = None,
 ) -> AsyncIterator[Round]:
     """``draft_sampling``: how the draft samples (defaults to ``sampling``;
-    another temperature stays lossless because the target is told q)."""
+    another temperature stays lossless because the target is told q).
+    ``draft_timeout``: seconds a draft call may take (None or 0: no deadline)."""
     draft_sampling = draft_sampling or sampling
     want_logits = not sampling.greedy
     context = list(prompt_ids)
@@ -110,7 +121,9 @@ async def speculative_decode(
         if k > 0:
             started = clock()
             try:
-                drafted = await draft.generate(context, k, draft_sampling, return_logits=want_logits)
+                drafted = await _with_deadline(
+                    draft.generate(context, k, draft_sampling, return_logits=want_logits), draft_timeout
+                )
                 proposal = _cut_after_end(list(drafted.tokens)[:k], end_ids)
                 if want_logits and proposal:
                     proposal_logits = _draft_logits(drafted, len(proposal), draft_sampling, sampling)
@@ -148,6 +161,27 @@ async def speculative_decode(
         yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
         if ended:
             return
+
+
+async def _with_deadline(call, timeout: float | None):
+    """Await an engine call, giving up after ``timeout`` seconds (DraftTimeout).
+
+    The call itself is shielded, not cancelled: an engine request already
+    queued in Triton cannot be taken back, so it runs to its end and its
+    answer (or error) is dropped."""
+    if not timeout or timeout <= 0:
+        return await call
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout)
+    except asyncio.TimeoutError:
+        task.add_done_callback(_drop_result)
+        raise DraftTimeout(f"draft did not answer within {timeout:g} s (draft_timeout_seconds)") from None
+
+
+def _drop_result(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.info("a late draft call failed after its deadline: %s", task.exception())
 
 
 def _draft_logits(drafted: EngineOutput, k: int, draft_sampling: SamplingParams, sampling: SamplingParams):

@@ -35,6 +35,13 @@ INPUT_NAMES = (
 )
 
 
+# Request parameters Triton itself defines (the parameters extension); any other
+# parameter is refused: the coordinator's settings are inputs. With HTTP
+# `generate`, a JSON field that is not an input arrives as a parameter, so a
+# misspelt input ("max_token") is refused instead of silently ignored.
+TRITON_PARAMETERS = frozenset({"sequence_id", "priority", "timeout", "sequence_start", "sequence_end", "headers"})
+
+
 class InputError(ValueError):
     """A request input is missing, malformed or out of range."""
 
@@ -116,12 +123,36 @@ def parse_request(
     )
 
 
+def check_parameters(parameters: Mapping[str, object]) -> None:
+    unknown = sorted(k for k in parameters if not k.startswith("triton_") and k not in TRITON_PARAMETERS)
+    if unknown:
+        raise InputError(
+            f"unknown parameter(s) {', '.join(unknown)}; the coordinator takes its settings as inputs: "
+            f"{', '.join(INPUT_NAMES)}"
+        )
+
+
 def check_context(prompt_tokens: int, max_tokens: int, settings: CoordinatorSettings) -> None:
     """Prompt plus completion must fit the engines' context."""
     if prompt_tokens + max_tokens > settings.max_context_tokens:
         raise InputError(
             f"text_input is {prompt_tokens} tokens; with max_tokens {max_tokens} that exceeds the context limit "
             f"of {settings.max_context_tokens} tokens (shorten the prompt or lower max_tokens)"
+        )
+
+
+def check_prompt_size(prompt_bytes: int, max_token_bytes: int, settings: CoordinatorSettings) -> None:
+    """Refuse, before tokenizing it, a prompt too long to fit the context.
+
+    No token is longer than ``max_token_bytes``, so a prompt of more than
+    max_context_tokens x max_token_bytes bytes has more tokens than the context
+    holds. Checking this first keeps a huge prompt from holding the
+    coordinator's event loop (and every other stream) while it is tokenized."""
+    limit = settings.max_context_tokens * max_token_bytes
+    if prompt_bytes > limit:
+        raise InputError(
+            f"text_input is {prompt_bytes} bytes; at most {limit} bytes can fit the context limit of "
+            f"{settings.max_context_tokens} tokens (shorten the prompt)"
         )
 
 
@@ -154,6 +185,8 @@ def _float(inputs, name: str, default: float) -> float:
     value = _scalar(inputs, name)
     if value is None:
         return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(f"{name} must be a number (FP32), got {value!r}")
     number = float(value)
     if not math.isfinite(number):
         raise InputError(f"{name} must be a finite number, got {number}")
@@ -174,12 +207,15 @@ def _utf8(name: str, value) -> str:
 def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:
     if value is None:
         return ()
-    words = [_utf8("stop_words", w) for w in np.asarray(value).reshape(-1)]
-    if len(words) > MAX_STOP_WORDS:
-        raise InputError(f"stop_words may hold at most {MAX_STOP_WORDS} strings, got {len(words)}")
-    for word in words:
+    raw = np.asarray(value).reshape(-1)
+    if raw.size > MAX_STOP_WORDS:
+        raise InputError(f"stop_words may hold at most {MAX_STOP_WORDS} strings, got {raw.size}")
+    words = [_utf8(f"stop_words[{i}]", w) for i, w in enumerate(raw)]
+    for i, word in enumerate(words):
         if not word:
-            raise InputError("stop_words must not contain an empty string")
+            raise InputError(f"stop_words[{i}] is an empty string; stop words must not be empty")
         if len(word) > MAX_STOP_WORD_CHARS:
-            raise InputError(f"stop_words entries may be at most {MAX_STOP_WORD_CHARS} characters, got {len(word)}")
+            raise InputError(
+                f"stop_words[{i}] is {len(word)} characters; stop words may be at most {MAX_STOP_WORD_CHARS}"
+            )
     return tuple(words)

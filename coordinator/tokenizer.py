@@ -42,6 +42,26 @@ class Codec:
     def __init__(self, tokenizer: Tokenizer, special: SpecialTokens):
         self._tokenizer = tokenizer
         self.special = special
+        self._max_token_bytes: int | None = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest token's text (128 for Qwen2.5): a prompt
+        of n bytes has at least n / max_token_bytes tokens, which bounds the
+        prompt size worth tokenizing at all."""
+        if self._max_token_bytes is None:
+            size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+            texts = self._tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+            self._max_token_bytes = max(1, max(len(t.encode("utf-8")) for t in texts))
+        return self._max_token_bytes
+
+    def text_bytes(self, text: str) -> int:
+        """UTF-8 length of ``text`` as the tokenizer's model sees it (after its
+        normalizer, if it has one: normalization may lengthen text)."""
+        normalizer = self._tokenizer.normalizer
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        return len(text.encode("utf-8"))
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Codec:

@@ -18,10 +18,10 @@ import triton_python_backend_utils as pb_utils
 from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
 from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits
-from coordinator.generation import Chunk, generate_text
+from coordinator.generation import Chunk, RequestCancelled, generate_text
 from coordinator.loop import EngineError, EngineOutput
 from coordinator.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
-from coordinator.request import INPUT_NAMES, InputError, parse_request
+from coordinator.request import INPUT_NAMES, InputError, check_parameters, parse_request
 from coordinator.sampling import SamplingParams
 from coordinator.tokenizer import Codec, SpecialTokens
 
@@ -113,10 +113,13 @@ class TritonPythonModel:
         metrics = self.metrics.start_request()
         outcome = "error"
         try:
+            check_parameters(_parameters(request))
             raw = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 raw[name] = None if tensor is None else tensor.as_numpy()
+            # Seeds drawn here stay below 2^63: seeds from 2^63 up are reserved for
+            # the tests' fault injection (coordinator/cpu_engine/faults.py).
             generation = parse_request(raw, self.settings, new_seed=lambda: secrets.randbits(63))
             pieces: list[str] = []
             chunks = generate_text(
@@ -127,13 +130,9 @@ class TritonPythonModel:
                 settings=self.settings,
                 costs=self.costs,
                 metrics=metrics,
+                cancelled=lambda: _cancelled(request, sender),  # asked after every round
             )
             async for chunk in chunks:
-                if _cancelled(request, sender):
-                    await chunks.aclose()
-                    outcome = "cancelled"
-                    sender.send(flags=FINAL)
-                    return
                 if generation.stream:
                     if chunk.text or chunk.final:
                         sender.send(_response(chunk.text, chunk if chunk.final else None),
@@ -143,6 +142,13 @@ class TritonPythonModel:
                     if chunk.final:
                         sender.send(_response("".join(pieces), chunk), flags=FINAL)
             outcome = "success"
+        except RequestCancelled:
+            outcome = "cancelled"
+            log.info("request cancelled by the client; stopped after the current round")
+            try:
+                sender.send(flags=FINAL)
+            except Exception as error:  # the client is gone; nothing is waiting for it
+                log.info("final flag of a cancelled request not sent: %s", error)
         except InputError as error:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except EngineError as error:
@@ -156,6 +162,17 @@ class TritonPythonModel:
             )
         finally:
             metrics.finish(outcome)
+
+
+def _parameters(request) -> dict:
+    """The request's parameters (a JSON object in pb_utils), {} when there are none."""
+    getter = getattr(request, "parameters", None)
+    text = getter() if getter else ""
+    try:
+        parameters = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return parameters if isinstance(parameters, dict) else {}
 
 
 def _cancelled(request, sender) -> bool:

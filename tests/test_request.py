@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.request import InputError, check_context, parse_request
+from coordinator.request import InputError, check_context, check_parameters, check_prompt_size, parse_request
 
 SETTINGS = CoordinatorSettings(speculation_window=5, max_tokens_limit=1024, max_context_tokens=4096)
 
@@ -75,7 +75,15 @@ def test_all_fields():
         ({"temperature": np.array([np.nan], np.float32)}, "temperature must be a finite number"),
         ({"top_k": np.array([-1], np.int32)}, "top_k must be between 0"),
         ({"top_p": np.array([0.0], np.float32)}, "top_p must be in (0, 1]"),
-        ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
+        ({"stop_words": np.array([b"ok", b""], dtype=object)}, "stop_words[1] is an empty string"),
+        ({"stop_words": np.array([b"ok", b"\xff"], dtype=object)}, "stop_words[1] is not valid UTF-8"),
+        ({"stop_words": np.array([b"x" * 257], dtype=object)}, "stop_words[0] is 257 characters; stop words may be at most 256"),
+        ({"max_tokens": np.array([4.0], np.float32)}, "max_tokens must be an integer"),
+        ({"max_tokens": np.array([-3], np.int32)}, "max_tokens must be between 1 and 1024, got -3"),
+        ({"temperature": np.array([1000.0], np.float32)}, "temperature must be between 0 and 100 (0 = greedy), got 1000"),
+        ({"temperature": np.array([b"hot"], dtype=object)}, "temperature must be a number"),
+        ({"top_p": np.array([1.5], np.float32)}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_p": np.array([np.inf], np.float32)}, "top_p must be a finite number"),
         ({"stop_words": np.array([b"x"] * 17, dtype=object)}, "stop_words may hold at most 16"),
         ({"bogus": np.array([1])}, "unknown input(s) bogus"),
         ({"draft_temperature": np.array([-1.0], np.float32)}, "draft_temperature must be between 0 and 100"),
@@ -89,6 +97,24 @@ def test_bad_input_names_the_field_and_the_limit(inputs, message):
     with pytest.raises(InputError) as error:
         parse(**inputs)
     assert message in str(error.value)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing():
+    check_prompt_size(4096 * 128, 128, SETTINGS)
+    with pytest.raises(InputError) as error:
+        check_prompt_size(4096 * 128 + 1, 128, SETTINGS)
+    assert str(error.value) == (
+        "text_input is 524289 bytes; at most 524288 bytes can fit the context limit of 4096 tokens (shorten the prompt)"
+    )
+
+
+def test_only_tritons_own_request_parameters_are_accepted():
+    check_parameters({})
+    check_parameters({"triton_enable_empty_final_response": True, "priority": 1, "timeout": 5})
+    with pytest.raises(InputError) as error:
+        check_parameters({"max_token": 32, "bogus": 1})
+    assert str(error.value).startswith("unknown parameter(s) bogus, max_token; the coordinator takes its settings "
+                                       "as inputs: text_input, max_tokens,")
 
 
 def test_context_limit():
