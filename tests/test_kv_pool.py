@@ -35,3 +35,16 @@ def test_capacity_zero_disables_reuse():
     pool = PrefixCachePool(0)
     pool.put(np.array([1, 2]), "a")
     assert pool.take(np.array([1, 2, 3])) == (None, 0)
+
+
+def test_cached_tokens_counts_what_the_pool_holds():
+    pool = PrefixCachePool(2)
+    assert pool.cached_tokens == 0
+    pool.put(np.array([1, 2, 3]), "a")
+    pool.put(np.array([4, 5]), "b")
+    assert pool.cached_tokens == 5
+    pool.take(np.array([1, 2, 3, 4]))  # a sequence's entry leaves the pool while the engine works on it
+    assert pool.cached_tokens == 2
+    pool.put(np.array([7] * 10), "c")
+    pool.put(np.array([8] * 10), "d")  # "b" evicted
+    assert (len(pool), pool.cached_tokens) == (2, 20)

@@ -28,6 +28,11 @@ class PrefixCachePool:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose keys and values the pool holds (its memory is proportional)."""
+        return sum(len(tokens) for tokens, _ in self._entries.values())
+
     def take(self, tokens: np.ndarray) -> tuple[Any | None, int]:
         """Remove and return (cache, reusable length) for the longest entry
         whose tokens are a prefix of ``tokens``.

@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from coordinator.config import expand_env
 from coordinator.cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
+from coordinator.cpu_engine.faults import FaultConfigError, FaultInjector
 from coordinator.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,13 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{args['model_name']}: unknown parameter(s) {', '.join(unknown)}")
         if params.get("exclude_input_in_output", "true").lower() != "true":
             raise pb_utils.TritonModelException("the CPU engine only implements exclude_input_in_output=true")
+        try:
+            self.faults = FaultInjector.from_environment(args["model_name"], os.environ)
+        except FaultConfigError as error:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {error}") from None
+        if self.faults:
+            log.warning("%s: TEST-ONLY FAULT INJECTION ENABLED for seeds %s", args["model_name"],
+                        sorted(self.faults.rules))
         model_dir = expand_env(params["model_dir"], os.environ, "model_dir")
         reuse = params.get("enable_kv_cache_reuse", "true").lower() == "true"
         self.engine = CausalLMEngine(
@@ -40,13 +48,25 @@ class TritonPythonModel:
             weight_quantization=params.get("weight_quantization", "none"),
         )
         self.name = args["model_name"]
+        self._pool_gauges = _pool_gauges(self.name)
+        self._report_pool()
 
     def execute(self, requests):
-        return [self._serve(request) for request in requests]
+        responses = [self._serve(request) for request in requests]
+        self._report_pool()
+        return responses
+
+    def _report_pool(self) -> None:
+        if self._pool_gauges is not None:
+            sequences, tokens = self._pool_gauges[:2]
+            sequences.set(len(self.engine.pool))
+            tokens.set(self.engine.pool.cached_tokens)
 
     def _serve(self, request):
         try:
             engine_request = _read_request(request)
+            if self.faults:
+                self.faults.apply(engine_request.sampling.seed)
             result = self.engine.run(engine_request)
         except EngineRequestError as error:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: {error}"))
@@ -66,6 +86,31 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.pool.clear()
+
+
+def _pool_gauges(model_name: str):
+    """Gauges of the KV-cache pool on Triton's metrics port, labelled by model.
+
+    ``specdec_engine_cached_sequences``: sequences whose KV cache the engine
+    keeps between calls (at most max_cached_sequences); ``specdec_engine_cached_tokens``:
+    the tokens they hold. Nothing else survives an engine call."""
+    try:
+        sequences = pb_utils.MetricFamily(
+            name="specdec_engine_cached_sequences",
+            description="Sequences whose KV cache the CPU engine keeps for prefix reuse (bounded by max_cached_sequences)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        tokens = pb_utils.MetricFamily(
+            name="specdec_engine_cached_tokens",
+            description="Tokens held in the CPU engine's KV-cache pool",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+    except Exception as error:  # metrics disabled or unsupported: serve without them
+        log.warning("%s: no KV-cache pool metrics: %s", model_name, error)
+        return None
+    labels = {"model": model_name}
+    # keep the families alive as long as the metrics
+    return sequences.Metric(labels=labels), tokens.Metric(labels=labels), sequences, tokens
 
 
 def _optional(request, name):
