@@ -37,6 +37,28 @@ if [ -f "${ENGINE_DIR}/build-info.json" ]; then
         || die "engines were built with TensorRT-LLM ${built}, this image has ${installed}: rebuild them"
 fi
 
+# Triton's admin APIs answer only requests carrying the header
+# `specdec-admin-key: <key>`; health, metadata and inference stay open, and
+# models can be neither loaded nor unloaded (--model-control-mode=none). The
+# key comes from SPECDEC_ADMIN_KEY (Kubernetes: the Secret triton-specdec-admin);
+# without it a random key is made for this run and shown nowhere, which closes
+# the admin APIs. The list equals RESTRICTED_APIS in coordinator/serving/launch.py
+# (the cpu image's launcher; tests/test_security_config.py keeps them equal).
+RESTRICTED_APIS="model-repository,model-config,shared-memory,statistics,trace,logging"
+ADMIN_KEY_HEADER="specdec-admin-key"
+admin_key="${SPECDEC_ADMIN_KEY:-}"
+unset SPECDEC_ADMIN_KEY  # tritonserver's flags get it; the models' environment does not
+if [ -z "${admin_key}" ]; then
+    admin_key="$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')"
+fi
+case "${admin_key}" in
+    *[!A-Za-z0-9._~+/-]*) die "SPECDEC_ADMIN_KEY may only contain letters, digits and ._~+/- (e.g. openssl rand -hex 32)" ;;
+esac
+if [ "${#admin_key}" -lt 16 ] || [ "${#admin_key}" -gt 256 ]; then
+    die "SPECDEC_ADMIN_KEY must be 16 to 256 characters long"
+fi
+restricted="${RESTRICTED_APIS}:${ADMIN_KEY_HEADER}=${admin_key}"
+
 # Two TensorRT-LLM models in one server need orchestrator mode: each model's
 # executor runs in a worker process spawned through MPI (as NVIDIA's
 # launch_triton_server.py --multi-model does), hence mpirun -n 1.
@@ -53,6 +75,9 @@ exec mpirun --allow-run-as-root -n 1 \
     tritonserver \
     --model-repository="${MODEL_REPOSITORY}" \
     --model-config-name=trtllm \
+    --model-control-mode=none \
+    --http-restricted-api="${restricted}" \
+    --grpc-restricted-protocol="${restricted}" \
     --disable-auto-complete-config \
     --http-port=8000 \
     --grpc-port=8001 \

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import secrets
 import shlex
 import signal
 import site
@@ -23,6 +25,42 @@ from coordinator.serving.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
 
+# Triton APIs that answer only requests carrying the header ADMIN_KEY_HEADER with
+# the admin key, on HTTP and gRPC alike. Health, metadata and inference stay
+# open; model loading is off altogether (--model-control-mode=none). The same
+# list is in docker/trtllm-entrypoint.sh (tests/test_security_config.py).
+RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "statistics", "trace", "logging")
+ADMIN_KEY_HEADER = "specdec-admin-key"
+# Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
+ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
+_ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
+
+
+class AdminKeyError(ValueError):
+    pass
+
+
+def new_admin_key() -> str:
+    return secrets.token_hex(32)
+
+
+def check_admin_key(key: str) -> str:
+    """16-256 characters of [A-Za-z0-9._~+/-]: it goes into Triton's flag syntax
+    (apis:header=key), where ':' ',' '=' or spaces would change its meaning."""
+    if not _ADMIN_KEY_PATTERN.fullmatch(key):
+        raise AdminKeyError(
+            f"{ADMIN_KEY_VAR} must be 16 to 256 characters of letters, digits and ._~+/- "
+            f"(e.g. `openssl rand -hex 32`); got {len(key)} characters"
+        )
+    return key
+
+
+def restricted_api_args(admin_key: str) -> list[str]:
+    """tritonserver flags that put RESTRICTED_APIS behind the admin key."""
+    setting = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={check_admin_key(admin_key)}"
+    return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
 
 @dataclass
 class ServerOptions:
@@ -38,6 +76,10 @@ class ServerOptions:
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)  # appended to tritonserver's command line
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Key of the restricted APIs (header specdec-admin-key); a random one per
+    # start unless given (SPECDEC_ADMIN_KEY). Never printed or logged.
+    admin_key: str = field(default_factory=new_admin_key, repr=False)
+    admin_key_from_env: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,7 @@ def server_command(options: ServerOptions, install: tritonserver.TritonInstall) 
         f"--model-config-name={options.profile}",
         f"--backend-directory={install.backend_dir}",
         "--model-control-mode=none",
+        *restricted_api_args(options.admin_key),
         "--strict-readiness=true",
         "--exit-on-error=true",
         f"--http-address={options.address}",
@@ -92,6 +135,7 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
         }
     )
     env.update(options.extra_env)
+    env.pop(ADMIN_KEY_VAR, None)  # the key goes to tritonserver's flags only, never to the models
     return env
 
 
@@ -147,19 +191,22 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
                         default=Path(env.get("SPECDEC_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")))
     parser.add_argument("--log-verbose", type=int, default=0)
     args = parser.parse_args(argv)
+    key = env.get(ADMIN_KEY_VAR, "").strip()
     return ServerOptions(
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, log_verbose=args.log_verbose,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
+        admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     options = _parse_args(argv)
     try:
+        check_admin_key(options.admin_key)
         pair = prepare(options)
-    except (assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound) as error:
+    except (AdminKeyError, assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound) as error:
         print(f"specdec-serve: {error}", file=sys.stderr)
         return 2
     print(f"specdec: starting tritonserver (target {pair.target_dir.name}, draft {pair.draft_dir.name})", flush=True)
@@ -183,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         f".venv/bin/specdec-client --url localhost:{options.grpc_port} 'def fibonacci(n):'",
         flush=True,
     )
+    key_source = (f"the key in {ADMIN_KEY_VAR}" if options.admin_key_from_env
+                  else f"a random key made for this run and shown nowhere (set {ADMIN_KEY_VAR} to choose one)")
+    print(f"specdec: admin APIs ({', '.join(RESTRICTED_APIS)}) need header {ADMIN_KEY_HEADER} (HTTP) or "
+          f"{GRPC_ADMIN_KEY_HEADER} (gRPC) with {key_source}", flush=True)
     return process.wait()
 
 
