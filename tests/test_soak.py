@@ -1,0 +1,106 @@
+"""specdec-soak: process discovery and memory accounting, the verdict, and a
+short soak against the real test server (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator import soak
+from coordinator.client import Completion
+
+
+def test_finds_the_process_listening_on_a_port_and_its_children():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert soak.listening_pid(server.getsockname()[1]) == os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in soak.process_tree(os.getpid())
+        name, rss = soak.process_memory(child.pid)
+        assert rss > 0 and name
+    finally:
+        child.kill()
+        child.wait()
+    assert soak.process_memory(child.pid) is None
+
+
+def test_nothing_listens_on_a_closed_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert soak.listening_pid(port) is None
+
+
+def options(**overrides):
+    base = dict(url="x:1", users=2, duration=100.0, max_tokens=8, cancel_ratio=0.1, warmup_seconds=None,
+                max_growth_percent=10.0)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def samples(*totals_kib):
+    return [soak.MemorySample(10.0 * i, total, {"tritonserver": total}) for i, total in enumerate(totals_kib)]
+
+
+def test_growth_is_measured_from_the_end_of_the_warm_up():
+    tally = soak.Tally(completed=5, tokens=40)
+    report = soak.build_report(options(), tally, samples(1000, 2000, 2050, 2100), 100.0, 42, True)
+    memory = report["memory"]
+    assert report["warmup_seconds"] == 10.0 and memory["after_warmup_seconds"] == 10.0
+    assert memory["growth_percent"] == 5.0 and report["passed"], report["failures"]
+    json.dumps(report)
+
+
+@pytest.mark.parametrize(
+    "tally,totals,ready,failure",
+    [
+        (soak.Tally(completed=5, errors=1), (1000, 1000, 1000), True, "1 errors"),
+        (soak.Tally(completed=5), (1000, 1000, 1200), True, "RSS grew 20.0 %"),
+        (soak.Tally(completed=5), (1000, 1000), False, "server not ready"),
+        (soak.Tally(completed=0), (1000, 1000), True, "no request completed"),
+        (soak.Tally(completed=5), (), True, "server processes not found"),
+    ],
+)
+def test_the_verdict_names_what_failed(tally, totals, ready, failure):
+    report = soak.build_report(options(), tally, samples(*totals), 100.0, 42, ready)
+    assert not report["passed"] and any(failure in f for f in report["failures"]), report["failures"]
+    assert "FAIL" in soak.summary(report)
+
+
+def test_a_final_response_that_breaks_the_contract_is_an_error():
+    assert soak.check_completion(Completion(completion_tokens=8, draft_tokens=5, accepted_draft_tokens=4), 8, None) is None
+    assert "tokens for max_tokens" in soak.check_completion(Completion(completion_tokens=9), 8, None)
+    assert "accepted of" in soak.check_completion(Completion(completion_tokens=3, draft_tokens=1, accepted_draft_tokens=2), 8, None)
+    assert "speculation_window 0" in soak.check_completion(Completion(completion_tokens=3, draft_tokens=2), 8, 0)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--users", "0"])
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--cancel-ratio", "2"])
+    assert soak.parse_args([]).users == 4 and soak.parse_args([]).duration == 600.0
+
+
+@pytest.mark.slow
+def test_short_soak_against_the_real_server(triton_server, tmp_path):
+    """The `make test` version of the soak: 2 users for 45 s (the full one: `make soak`)."""
+    report_path = tmp_path / "soak.json"
+    argv = ["--url", triton_server.grpc_url, "--users", "2", "--duration", "45", "--max-tokens", "16",
+            "--warmup-seconds", "15", "--sample-seconds", "3", "--json", str(report_path)]
+    if triton_server.pid:
+        argv += ["--pid", str(triton_server.pid)]
+    code = soak.main(argv)
+    report = json.loads(report_path.read_text())
+    print(soak.summary(report))
+    assert report["errors"] == 0, report["error_examples"]
+    assert report["completed"] >= 4 and report["server_ready_after"]
+    assert report["memory"]["growth_percent"] < 10.0, report["memory"]
+    assert code == 0, report["failures"]
