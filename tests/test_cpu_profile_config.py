@@ -2,6 +2,7 @@
 
 from coordinator.config import CoordinatorSettings
 from coordinator.cpu_engine.engine import KNOWN_PARAMETERS
+from coordinator.cpu_engine.quantize import SCHEMES
 from tests._config_helpers import COORDINATOR, model_config, parameter
 
 COORDINATOR_CPU = model_config(COORDINATOR, "cpu")
@@ -34,3 +35,10 @@ def test_engine_context_covers_the_coordinator_limit():
         engine_limit = int(parameter(model_config(name, "cpu"), "max_context_tokens"))
         # a verify round may need speculation_window + 1 tokens beyond the context
         assert engine_limit >= limit, name
+
+
+def test_only_the_draft_is_weight_quantized():
+    # the target defines the served output; the draft's precision only changes the acceptance rate
+    target = model_config("target", "cpu")
+    assert "weight_quantization" not in target.parameters or parameter(target, "weight_quantization") == "none"
+    assert parameter(model_config("draft", "cpu"), "weight_quantization") in SCHEMES
