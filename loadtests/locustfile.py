@@ -39,8 +39,11 @@ Run: ``locust -f loadtests/locustfile.py --headless --host 127.0.0.1:8001``
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
+import os
 import random
 import sys
 import threading
@@ -129,7 +132,7 @@ def _validate(options) -> None:
         _prompts(options)
     except (ValueError, OSError) as error:
         log.error("%s", error)
-        raise SystemExit(2) from None
+        _exit_now(2)
 
 
 def _require_ready(host: str | None) -> None:
@@ -141,10 +144,39 @@ def _require_ready(host: str | None) -> None:
             ready = client.is_model_ready(grpc_stream.MODEL, client_timeout=10)
     except Exception as error:  # InferenceServerException, or a gRPC error from the channel
         log.error("no Triton server answers at %s (%s); start one (make serve) or pass --host", url, error)
-        raise SystemExit(2) from None
+        _exit_now(2)
     if not ready:
         log.error("the server at %s does not report model %r ready", url, grpc_stream.MODEL)
-        raise SystemExit(2)
+        _exit_now(2)
+
+
+# grpcio in gevent mode can deadlock in its finalizers when the interpreter
+# shuts down: Py_FinalizeEx garbage-collects channels whose __del__ takes a
+# lock of grpc's C core that nothing will release any more (seen with grpcio
+# 1.85.3 / gevent 26.9.0 in about one run in eight, the process then ignoring
+# SIGTERM). So once locust is done (reports and CSVs written and closed), the
+# process leaves without finalizing: stdio and logging flushed, then os._exit.
+_EXIT = {"code": None}
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more to say
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+@events.quit.add_listener
+def _on_quit(exit_code, **_):
+    gc.collect()  # free what can be freed while gevent and grpc still run
+    _EXIT["code"] = exit_code
+    # atexit handlers run after locust's last step (closing the CSV files,
+    # sys.exit) and before the interpreter finalizes anything; the last one
+    # registered runs first.
+    atexit.register(lambda: _exit_now(_EXIT["code"] or 0))
 
 
 @events.report_to_master.add_listener
@@ -283,10 +315,12 @@ class _CoordinatorUser(User):
             return
         self._stopped = True
         type(self)._live -= 1
+        client, self.client = self.client, None
         try:
-            self.client.close()
+            client.close()
         except Exception:  # closing a client whose stream was cancelled must not fail the stop
             log.debug("closing the gRPC client failed", exc_info=True)
+        del client  # its __del__ closes again: now, while grpc runs, not at interpreter exit
 
     def window(self) -> int | None:
         return int(self.options.spec_window) if str(self.options.spec_window).strip() else None
