@@ -224,9 +224,14 @@ def test_measure_agreement_command_runs(model_dir, tmp_path, capsys):
     from tests.tiny_models import write_tokenizer
 
     write_tokenizer(tmp_path / "tokenizer")
-    main(["--target-dir", str(model_dir), "--draft-dir", str(model_dir), "--tokenizer-dir", str(tmp_path / "tokenizer"),
-          "--schemes", "none,int4", "--first", "0", "--last", "1", "--tokens", "6", "--threads", "1"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| none") or line.startswith("| int4")]
+    args = ["--target-dir", str(model_dir), "--draft-dir", str(model_dir), "--tokenizer-dir", str(tmp_path / "tokenizer"),
+            "--first", "0", "--last", "1", "--tokens", "6", "--threads", "1",
+            "--target-tokens", str(tmp_path / "target.json")]
+    main([*args, "--schemes", "int8"])
+    main([*args, "--schemes", "none,int4"])  # the second run reuses the target's tokens
+    out = capsys.readouterr().out
+    assert f"# target tokens from {tmp_path / 'target.json'}" in out
+    rows = [line for line in out.splitlines() if line.startswith("| none") or line.startswith("| int4")]
     assert len(rows) == 2
     # 2 prompts x 6 target tokens; the same model as draft and target: (nearly) always agrees
     agreement = re.match(r"\| none \| ([0-9.]+) \((\d+)/12\) \|", rows[0])
