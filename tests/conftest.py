@@ -1,10 +1,10 @@
 """Shared fixtures. ``triton_server`` starts a real tritonserver with the real
 model pair (cpu profile) once per test session, on free ports.
 
-That server is the production launch (``coordinator.serving.launch``) plus
-three test-only settings: a known admin key (so the security tests can use
-the restricted APIs), a 5 s draft deadline instead of 10 s, and the CPU
-engine's fault injection (coordinator/cpu_engine/faults.py), whose rules fire
+That server is the production launch (``coordinator.serving.launch``, the
+cpu profile's configs unchanged) plus two test-only settings: a known admin
+key (so the security tests can use the restricted APIs) and the CPU engine's
+fault injection (coordinator/cpu_engine/faults.py), whose rules fire
 only for requests carrying one of the reserved seeds in ``FAULT_SEEDS``
 (>= 2^63; requests without a seed get one below 2^63). Every other request
 is served exactly as in production, so one server covers the ordinary and the
@@ -24,8 +24,7 @@ FAULT_SEEDS = {
     "draft_late": 2**63 + 102,
     "target_raises": 2**63 + 103,
 }
-DRAFT_DEADLINE_SECONDS = 5.0
-DRAFT_LATE_SECONDS = 7.0  # longer than the deadline
+DRAFT_LATE_SECONDS = 12.0  # longer than the coordinator's draft_timeout_seconds (10)
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,14 @@ def fault_rules() -> str:
     ])
 
 
+def _configured_draft_deadline() -> float:
+    from tests._config_helpers import model_config, parameter
+
+    deadline = float(parameter(model_config("coordinator", "cpu"), "draft_timeout_seconds"))
+    assert deadline < DRAFT_LATE_SECONDS, "the late-draft fault must outlast the deadline"
+    return deadline
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory) -> ServerAddress:
     # Point the tests at an already running server (e.g. `make serve`) to iterate quickly.
@@ -70,8 +77,7 @@ def triton_server(tmp_path_factory) -> ServerAddress:
     admin_key = new_admin_key()
     options = ServerOptions(
         http_port=_free_port(), grpc_port=_free_port(), metrics_port=_free_port(), admin_key=admin_key,
-        extra_env={FAULTS_VAR: fault_rules(), ALLOW_VAR: "1",
-                   "SPECDEC_DRAFT_TIMEOUT_SECONDS": f"{DRAFT_DEADLINE_SECONDS:g}"},
+        extra_env={FAULTS_VAR: fault_rules(), ALLOW_VAR: "1"},
     )
     pair = prepare(options)
     log_path = Path(tmp_path_factory.mktemp("triton")) / "tritonserver.log"
@@ -90,7 +96,7 @@ def triton_server(tmp_path_factory) -> ServerAddress:
         admin_key=admin_key,
         pid=process.pid,
         faults=True,
-        draft_deadline=DRAFT_DEADLINE_SECONDS,
+        draft_deadline=_configured_draft_deadline(),
         log_path=log_path,
     )
     process.terminate()
