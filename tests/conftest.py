@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class ServerAddress:
     log_path: Path | None = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -61,6 +62,32 @@ def _configured_draft_deadline() -> float:
     return deadline
 
 
+@contextmanager
+def running_server(options, log_path: Path):
+    """A tritonserver started with ``coordinator.serving.launch`` (its output in
+    ``log_path``), ready; terminated on exit."""
+    from coordinator.serving.launch import prepare, start, wait_until_ready
+
+    pair = prepare(options)
+    with open(log_path, "wb") as log:
+        process = start(options, pair, stdout=log, stderr=log)
+    try:
+        try:
+            wait_until_ready(process, options, timeout=900)
+        except Exception:
+            process.kill()
+            print(log_path.read_text(errors="replace")[-5000:])
+            raise
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except Exception:
+            process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory) -> ServerAddress:
     # Point the tests at an already running server (e.g. `make serve`) to iterate quickly.
@@ -72,35 +99,22 @@ def triton_server(tmp_path_factory) -> ServerAddress:
         return
 
     from coordinator.cpu_engine.faults import ALLOW_VAR, FAULTS_VAR
-    from coordinator.serving.launch import ServerOptions, new_admin_key, prepare, start, wait_until_ready
+    from coordinator.serving.launch import ServerOptions, new_admin_key
 
     admin_key = new_admin_key()
     options = ServerOptions(
-        http_port=_free_port(), grpc_port=_free_port(), metrics_port=_free_port(), admin_key=admin_key,
+        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), admin_key=admin_key,
         extra_env={FAULTS_VAR: fault_rules(), ALLOW_VAR: "1"},
     )
-    pair = prepare(options)
     log_path = Path(tmp_path_factory.mktemp("triton")) / "tritonserver.log"
-    with open(log_path, "wb") as log:
-        process = start(options, pair, stdout=log, stderr=log)
-    try:
-        wait_until_ready(process, options, timeout=900)
-    except Exception:
-        process.kill()
-        print(log_path.read_text()[-5000:])
-        raise
-    yield ServerAddress(
-        f"127.0.0.1:{options.grpc_port}",
-        f"http://127.0.0.1:{options.http_port}",
-        f"http://127.0.0.1:{options.metrics_port}",
-        admin_key=admin_key,
-        pid=process.pid,
-        faults=True,
-        draft_deadline=_configured_draft_deadline(),
-        log_path=log_path,
-    )
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except Exception:
-        process.kill()
+    with running_server(options, log_path) as process:
+        yield ServerAddress(
+            f"127.0.0.1:{options.grpc_port}",
+            f"http://127.0.0.1:{options.http_port}",
+            f"http://127.0.0.1:{options.metrics_port}",
+            admin_key=admin_key,
+            pid=process.pid,
+            faults=True,
+            draft_deadline=_configured_draft_deadline(),
+            log_path=log_path,
+        )

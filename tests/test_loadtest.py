@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from coordinator.client import build_inputs
 from loadtests import fake_triton, report, workload
 from loadtests.grpc_stream import RequestFailed, Timing, timed_completion
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -274,12 +274,6 @@ def test_timed_completion_names_each_failure(fake_server, marker, kind):
 # ------------------------------------------------------ locust, whole runs ----
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _locust(args, cwd, timeout=120, env=None):
     return subprocess.run([str(LOCUST), "-f", str(LOCUSTFILE), *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
@@ -383,7 +377,7 @@ def test_web_ui_mode_as_in_kubernetes(fake_server, tmp_path):
     the run starts by itself, /specdec serves the table, the reports are written."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     prefix = tmp_path / "locust"
     process = subprocess.Popen(
         [str(LOCUST), "-f", str(LOCUSTFILE), "--autostart", "--autoquit", "5", "--web-host", "127.0.0.1",
@@ -414,7 +408,7 @@ def test_web_ui_mode_as_in_kubernetes(fake_server, tmp_path):
 
 def test_locust_master_and_worker(fake_server, tmp_path):
     """The distributed mode of k8s/loadtest: records travel from the worker to the master."""
-    port = _free_port()
+    port = free_port()
     worker = subprocess.Popen([str(LOCUST), "-f", str(LOCUSTFILE), "--worker", "--master-port", str(port)],
                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               stdin=subprocess.DEVNULL)
@@ -438,7 +432,7 @@ def test_locust_master_and_worker(fake_server, tmp_path):
 
 
 def test_locust_refuses_to_start_without_a_server(tmp_path):
-    proc = _locust(["--headless", "--host", f"127.0.0.1:{_free_port()}", "--steps", "1", "--step-seconds", "1"],
+    proc = _locust(["--headless", "--host", f"127.0.0.1:{free_port()}", "--steps", "1", "--step-seconds", "1"],
                    tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "no Triton server answers" in proc.stderr

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from coordinator.bench import load_humaneval
 from coordinator.client import MODEL, build_inputs, stream_completion
+from coordinator.engine_io import engine_inputs
+from coordinator.sampling import SamplingParams
 from coordinator.soak import process_tree, sample_memory
-from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS
+from coordinator.serving.launch import PROJECT_ROOT, ServerOptions
+from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server
+from tests.server_http import http_status
 
 pytestmark = pytest.mark.slow
 
@@ -55,16 +59,6 @@ def error_of(server, inputs, timeout=60.0) -> str:
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             stream_completion(client, inputs, timeout=timeout)
     return error.value.message()
-
-
-def http_status(server, path, method="GET", headers=None, body=None) -> tuple[int, str]:
-    request = urllib.request.Request(f"{server.http_url}{path}", method=method, headers=headers or {},
-                                     data=body)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def assert_serving(server):
@@ -329,6 +323,34 @@ def test_a_raising_target_gives_a_clean_error_and_nothing_hangs(triton_server):
     assert_serving(triton_server)
 
 
+def test_a_draft_model_missing_from_the_server_degrades_every_request_to_target_only(tmp_path):
+    """The draft model not loaded. The server runs with --model-control-mode=none
+    (nothing unloads a model at run time) and --exit-on-error (a draft that fails
+    to load stops the start), so a server without its draft is one whose
+    repository lacks it: a second, real server with only coordinator and target."""
+    repository = tmp_path / "model_repository"
+    for name in ("coordinator", "target"):
+        shutil.copytree(PROJECT_ROOT / "model_repository" / name, repository / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    options = ServerOptions(model_repository=repository, http_port=free_port(), grpc_port=free_port(),
+                            metrics_port=free_port())
+    with running_server(options, tmp_path / "tritonserver.log"):
+        server = ServerAddress(f"127.0.0.1:{options.grpc_port}", f"http://127.0.0.1:{options.http_port}",
+                               f"http://127.0.0.1:{options.metrics_port}")
+        prompt = "def mean(values):\n    "
+        results = [complete(server, prompt, max_tokens=FAULT_TOKENS, speculation_window=4, adaptive_window=False)
+                   for _ in range(2)]
+        plain = complete(server, prompt, max_tokens=FAULT_TOKENS, speculation_window=0)
+        body = metrics_text(server)
+    print(f"\nfallback_reason: {results[0].fallback_reason}")
+    for result in results:  # every request, not only the first
+        assert result.completion_tokens == FAULT_TOKENS and result.text == plain.text
+        assert result.draft_tokens == 0 and result.speculative_rounds == 0
+        assert result.fallback_reason.startswith("draft model failed: draft: ")
+    assert metric(body, "specdec_draft_failures_total") == 2
+    assert metric(body, "specdec_requests_total", outcome="success") == 3
+
+
 # -- 3. cancellation ---------------------------------------------------------------
 
 
@@ -451,6 +473,35 @@ def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
 
 
 # -- 5. bounded memory ---------------------------------------------------------------
+
+
+def engine_call(server, model, input_ids, max_new_tokens):
+    """One tensorrtllm-contract request straight to an engine model (not decoupled)."""
+    tensors = engine_inputs(input_ids, max_new_tokens, SamplingParams(), end_id=0, pad_id=0)
+    inputs = [tensor(name, array, np_to_triton_dtype(array.dtype)) for name, array in tensors.items()]
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        return client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids")], client_timeout=60)
+
+
+@pytest.mark.parametrize("model", ["target", "draft"])
+@pytest.mark.parametrize(
+    "input_ids,max_new_tokens,expected",
+    [
+        ([0] * 4090, 16, "input_ids (4090 tokens) plus request_output_len exceeds max_context_tokens 4096"),
+        ([0] * 100_000, 1, "input_ids (100000 tokens) plus request_output_len exceeds max_context_tokens 4096"),
+        ([0] * 8, 2**31 - 1, "exceeds max_context_tokens 4096"),
+        ([10**7], 1, "token ids must be in [0, "),
+    ],
+    ids=["over the context", "far over the context", "huge output length", "token id out of range"],
+)
+def test_the_engines_refuse_requests_beyond_their_limits_directly(triton_server, model, input_ids,
+                                                                  max_new_tokens, expected):
+    """The engines are reachable without the coordinator (README, Security): their
+    limits hold there too, as an error, before any memory is taken."""
+    with pytest.raises(InferenceServerException) as error:
+        engine_call(triton_server, model, input_ids, max_new_tokens)
+    assert error.value.message().startswith(f"{model}: ") and expected in error.value.message()
+    assert_serving(triton_server)
 
 
 def test_engine_kv_pools_stay_within_their_bounds(triton_server):

@@ -3,15 +3,13 @@ started by coordinator.serving.launch with its restricted-API flags)."""
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from coordinator.client import build_inputs, stream_completion
 from coordinator.serving.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
+from tests.server_http import http_status
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +26,6 @@ HTTP_ADMIN_CALLS = [
 ]
 
 
-def http(server, method, path, headers=None, body=None):
-    request = urllib.request.Request(f"{server.http_url}{path}", method=method, headers=headers or {},
-                                     data=body if body is not None else (b"{}" if method == "POST" else None))
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
 def needs_key(server):
     if not server.admin_key:
         pytest.skip("the admin key of an external server is unknown (set SPECDEC_ADMIN_KEY)")
@@ -45,10 +33,10 @@ def needs_key(server):
 
 @pytest.mark.parametrize("method,path", HTTP_ADMIN_CALLS)
 def test_http_admin_apis_refuse_callers_without_the_key(triton_server, method, path):
-    status, body = http(triton_server, method, path)
+    status, body = http_status(triton_server, path, method)
     assert status == 403, (status, body)
     assert f"expecting header '{ADMIN_KEY_HEADER}'" in body
-    status, body = http(triton_server, method, path, headers={ADMIN_KEY_HEADER: "wrong-key-0123456789"})
+    status, body = http_status(triton_server, path, method, headers={ADMIN_KEY_HEADER: "wrong-key-0123456789"})
     assert status == 403, (status, body)
 
 
@@ -56,14 +44,14 @@ def test_the_key_opens_the_http_admin_apis_but_models_cannot_be_unloaded(triton_
     needs_key(triton_server)
     key = {ADMIN_KEY_HEADER: triton_server.admin_key}
     for method, path in HTTP_ADMIN_CALLS:
-        status, body = http(triton_server, method, path, headers=key)
+        status, body = http_status(triton_server, path, method, headers=key)
         if "unload" in path:  # --model-control-mode=none: no loading or unloading, key or not
             assert status == 503 and "explicit model load / unload is not allowed" in body, body
         elif "unregister" in path:
             assert status in (200, 400), body
         else:
             assert status == 200, (path, status, body)
-    assert '"name":"coordinator"' in http(triton_server, "POST", "/v2/repository/index", headers=key)[1]
+    assert '"name":"coordinator"' in http_status(triton_server, "/v2/repository/index", "POST", headers=key)[1]
 
 
 def test_grpc_admin_protocols_need_the_key_and_inference_does_not(triton_server):
