@@ -262,11 +262,16 @@ def run_soak(options) -> dict:
     stop = threading.Event()
 
     def sampler():
+        next_progress = options.progress_seconds
         while True:
             if root:
                 sample = sample_memory(root, started)
                 if sample:
                     samples.append(sample)
+            elapsed = time.monotonic() - started
+            if options.progress_seconds > 0 and elapsed >= next_progress:
+                next_progress += options.progress_seconds
+                print(progress_line(tally, samples, elapsed, options.duration), file=sys.stderr, flush=True)
             if stop.wait(options.sample_seconds):
                 return
 
@@ -293,6 +298,12 @@ def run_soak(options) -> dict:
         except Exception:
             ready = False
     return build_report(options, tally, samples, elapsed, root, ready)
+
+
+def progress_line(tally: Tally, samples: list[MemorySample], elapsed: float, duration: float) -> str:
+    rss = f"{samples[-1].total_kib / 1024:.0f} MiB" if samples else "unknown"
+    return (f"specdec-soak: {min(elapsed, duration):4.0f}/{duration:.0f} s  completed {tally.completed}  "
+            f"cancelled {tally.cancelled}  errors {tally.errors}  server RSS {rss}")
 
 
 def build_report(options, tally: Tally, samples: list[MemorySample], elapsed: float, root, ready: bool) -> dict:
@@ -379,6 +390,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--warmup-seconds", type=float, default=None,
                         help="RSS growth is measured from this point (default: 10 %% of --duration, at most 60 s)")
     parser.add_argument("--sample-seconds", type=float, default=5.0, help="RSS sampling interval")
+    parser.add_argument("--progress-seconds", type=float, default=30.0,
+                        help="print a progress line to stderr this often (0: never)")
     parser.add_argument("--max-growth-percent", type=float, default=10.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--pid", type=int, default=None,
@@ -392,6 +405,8 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--users, --duration and --max-tokens must be positive")
     if not 0.0 <= options.cancel_ratio <= 1.0:
         parser.error("--cancel-ratio must be between 0 and 1")
+    if options.progress_seconds < 0:
+        parser.error("--progress-seconds must be 0 (no progress lines) or positive")
     return options
 
 

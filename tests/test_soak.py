@@ -86,19 +86,24 @@ def test_arguments_are_checked():
         soak.parse_args(["--users", "0"])
     with pytest.raises(SystemExit):
         soak.parse_args(["--cancel-ratio", "2"])
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--progress-seconds", "-1"])
     assert soak.parse_args([]).users == 4 and soak.parse_args([]).duration == 600.0
 
 
 @pytest.mark.slow
-def test_short_soak_against_the_real_server(triton_server, tmp_path):
+def test_short_soak_against_the_real_server(triton_server, tmp_path, capsys):
     """The `make test` version of the soak: 2 users for 45 s, short prompts (the full one: `make soak`)."""
     report_path = tmp_path / "soak.json"
     argv = ["--url", triton_server.grpc_url, "--users", "2", "--duration", "45", "--max-tokens", "12",
-            "--prompts", "short", "--warmup-seconds", "15", "--sample-seconds", "3", "--json", str(report_path)]
+            "--prompts", "short", "--warmup-seconds", "15", "--sample-seconds", "3", "--progress-seconds", "15",
+            "--json", str(report_path)]
     if triton_server.pid:
         argv += ["--pid", str(triton_server.pid)]
     code = soak.main(argv)
     report = json.loads(report_path.read_text())
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdec-soak: ")]
+    assert len(progress) >= 2 and "/45 s  completed " in progress[0], progress
     print(soak.summary(report))
     assert report["errors"] == 0, report["error_examples"]
     assert report["completed"] + report["cancelled"] >= 4 and report["server_ready_after"]
