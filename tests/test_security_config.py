@@ -110,3 +110,20 @@ def test_no_secret_is_baked_into_images_or_manifests():
 def test_images_run_as_a_non_root_user(dockerfile):
     users = re.findall(r"^USER\s+(\S+)", (ROOT / "docker" / dockerfile).read_text(), re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("root", "0")
+
+
+def test_the_readme_threat_model_matches_the_launch_flags():
+    """The README's security section names what the launcher actually restricts."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Security and threat model"):]
+    section = section[: section.index("\n## ", 1)]
+    restricted = re.search(r"put (.+?) behind the admin key", " ".join(section.split())).group(1)
+    named = {name.strip() for name in re.split(r",| and ", restricted) if name.strip()}
+    assert named == set(launch.RESTRICTED_APIS)
+    assert f"header `{launch.ADMIN_KEY_HEADER}`" in section
+    command = launch.server_command(launch.ServerOptions(), fake_install(Path("/nonexistent")))
+    assert "--model-control-mode=none" in section and "--model-control-mode=none" in command
+    assert "--http-restricted-api" in section and "--grpc-restricted-protocol" in section
+    assert "127.0.0.1" in section and launch.ServerOptions().address == "127.0.0.1"
+    for port in (8000, 8001, 8002):
+        assert f"| {port} |" in section
