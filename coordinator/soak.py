@@ -36,6 +36,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from coordinator.client import MODEL, build_inputs, stream_completion
+from coordinator.scrape import engine_cached_tokens, fetch_metrics
 
 SHORT_PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -117,6 +118,8 @@ class MemorySample:
     seconds: float  # since the start of the run
     total_kib: int
     processes: dict[str, int]  # name -> VmRSS KiB
+    # tokens in each engine's KV-cache pool (metrics port), to tell pool fill from other growth
+    kv_cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def sample_memory(root: int, started: float) -> MemorySample | None:
@@ -267,6 +270,7 @@ def run_soak(options) -> dict:
             if root:
                 sample = sample_memory(root, started)
                 if sample:
+                    sample.kv_cached_tokens = pool_tokens(options.metrics_url)
                     samples.append(sample)
             elapsed = time.monotonic() - started
             if options.progress_seconds > 0 and elapsed >= next_progress:
@@ -290,6 +294,7 @@ def run_soak(options) -> dict:
     if root:
         final = sample_memory(root, started)
         if final:
+            final.kv_cached_tokens = pool_tokens(options.metrics_url)
             samples.append(final)
     elapsed = time.monotonic() - started
     with grpcclient.InferenceServerClient(options.url) as client:
@@ -300,8 +305,20 @@ def run_soak(options) -> dict:
     return build_report(options, tally, samples, elapsed, root, ready)
 
 
+def pool_tokens(metrics_url: str) -> dict[str, int]:
+    """The engines' KV-pool sizes in tokens; {} when the metrics port is off or unreachable."""
+    if not metrics_url:
+        return {}
+    try:
+        return engine_cached_tokens(fetch_metrics(metrics_url))
+    except (OSError, ValueError):
+        return {}
+
+
 def progress_line(tally: Tally, samples: list[MemorySample], elapsed: float, duration: float) -> str:
     rss = f"{samples[-1].total_kib / 1024:.0f} MiB" if samples else "unknown"
+    if samples and samples[-1].kv_cached_tokens:
+        rss += " (KV pools " + ", ".join(f"{m} {t}" for m, t in sorted(samples[-1].kv_cached_tokens.items())) + " tokens)"
     return (f"specdec-soak: {min(elapsed, duration):4.0f}/{duration:.0f} s  completed {tally.completed}  "
             f"cancelled {tally.cancelled}  errors {tally.errors}  server RSS {rss}")
 
@@ -324,7 +341,10 @@ def build_report(options, tally: Tally, samples: list[MemorySample], elapsed: fl
             "growth_percent": round(growth, 2),
             "end_by_process_mib": {k: round(v / 1024, 1) for k, v in sorted(last.processes.items())},
             "after_warmup_by_process_mib": {k: round(v / 1024, 1) for k, v in sorted(after_warmup.processes.items())},
-            "samples": [{"seconds": s.seconds, "total_mib": round(s.total_kib / 1024, 1)} for s in samples],
+            "kv_cached_tokens_after_warmup": after_warmup.kv_cached_tokens,
+            "kv_cached_tokens_end": last.kv_cached_tokens,
+            "samples": [{"seconds": s.seconds, "total_mib": round(s.total_kib / 1024, 1),
+                         "kv_cached_tokens": s.kv_cached_tokens} for s in samples],
         }
     latencies = sorted(tally.latencies)
     failures = []
@@ -368,6 +388,10 @@ def summary(report: dict) -> str:
     memory = report["memory"]
     rss = (f"RSS {memory['after_warmup_mib']:.0f} MiB after warm-up -> {memory['end_mib']:.0f} MiB at the end "
            f"({memory['growth_percent']:+.1f} %, max {memory['max_mib']:.0f} MiB)" if memory else "RSS not measured")
+    if memory and memory.get("kv_cached_tokens_end"):
+        before, after = memory["kv_cached_tokens_after_warmup"], memory["kv_cached_tokens_end"]
+        rss += "; KV pools " + ", ".join(f"{model} {before.get(model, 0)} -> {tokens} tokens"
+                                         for model, tokens in sorted(after.items()))
     verdict = "PASS" if report["passed"] else "FAIL: " + "; ".join(report["failures"])
     return (f"specdec-soak: {report['users']} users, {report['elapsed_seconds']:.0f} s: {report['completed']} completed, "
             f"{report['cancelled']} cancelled, {report['errors']} errors, {report['tokens_per_second']:.2f} tok/s; "
@@ -390,6 +414,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--warmup-seconds", type=float, default=None,
                         help="RSS growth is measured from this point (default: 10 %% of --duration, at most 60 s)")
     parser.add_argument("--sample-seconds", type=float, default=5.0, help="RSS sampling interval")
+    parser.add_argument("--metrics-url", default=None,
+                        help="the server's metrics endpoint, sampled for the engines' KV-pool sizes "
+                        "(default: http://<--url's host>:8002/metrics; '' to skip)")
     parser.add_argument("--progress-seconds", type=float, default=30.0,
                         help="print a progress line to stderr this often (0: never)")
     parser.add_argument("--max-growth-percent", type=float, default=10.0)
@@ -405,6 +432,8 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--users, --duration and --max-tokens must be positive")
     if not 0.0 <= options.cancel_ratio <= 1.0:
         parser.error("--cancel-ratio must be between 0 and 1")
+    if options.metrics_url is None:
+        options.metrics_url = f"http://{options.url.rpartition(':')[0] or '127.0.0.1'}:8002/metrics"
     if options.progress_seconds < 0:
         parser.error("--progress-seconds must be 0 (no progress lines) or positive")
     return options

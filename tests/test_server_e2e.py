@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from coordinator.bench import load_humaneval
 from coordinator.client import build_inputs, stream_completion
+from tests.server_http import metric, metrics_text
 
 pytestmark = pytest.mark.slow
 
@@ -142,31 +143,15 @@ def test_wrong_dtype_shape_and_unknown_inputs_are_refused_by_name(triton_server)
     assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
 
 
-def _metrics(server) -> str:
-    with urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=30) as response:
-        return response.read().decode()
-
-
-def _sample(body: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) in Prometheus text format."""
-    total, found = 0.0, False
-    for line in body.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name} not exported"
-    return total
-
-
 def test_metrics_port_serves_specdec_metrics_matching_the_responses(triton_server):
-    before = _metrics(triton_server)
+    before = metrics_text(triton_server)
     assert 'nv_inference_request_success{model="coordinator"' in before
     results = [complete(triton_server, p, max_tokens=24, speculation_window=4, adaptive_window=False)
                for p in humaneval_prompts(31, 32)]
-    after = _metrics(triton_server)
+    after = metrics_text(triton_server)
 
     def delta(name):
-        return _sample(after, name) - _sample(before, name)
+        return metric(after, name) - metric(before, name)
 
     assert delta("specdec_draft_tokens_total") == sum(r.draft_tokens for r in results) > 0
     assert delta("specdec_accepted_draft_tokens_total") == sum(r.accepted_draft_tokens for r in results)
@@ -176,4 +161,4 @@ def test_metrics_port_serves_specdec_metrics_matching_the_responses(triton_serve
     assert delta("specdec_time_to_first_token_seconds_count") == 2
     assert 'specdec_requests_total{outcome="success"}' in after
     for gauge in ("specdec_speculation_window", "specdec_fallback_active", "specdec_draft_cost_ratio"):
-        _sample(after, gauge)
+        metric(after, gauge)

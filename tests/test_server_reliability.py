@@ -12,7 +12,6 @@ import queue
 import shutil
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from coordinator.sampling import SamplingParams
 from coordinator.soak import process_tree, sample_memory
 from coordinator.serving.launch import PROJECT_ROOT, ServerOptions
 from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server
-from tests.server_http import http_status
+from tests.server_http import http_status, metric, metrics_text
 
 pytestmark = pytest.mark.slow
 
@@ -65,24 +64,6 @@ def assert_serving(server):
     """Healthy, and a good request completes (one cheap plain step: its prompt is cached)."""
     assert http_status(server, "/v2/health/ready")[0] == 200
     assert complete(server, GOOD_PROMPT, max_tokens=1, speculation_window=0).completion_tokens == 1
-
-
-def metrics_text(server) -> str:
-    with urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=30) as response:
-        return response.read().decode()
-
-
-def metric(body: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include ``labels``."""
-    total, found = 0.0, False
-    for line in body.splitlines():
-        if not (line.startswith(name + " ") or line.startswith(name + "{")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name}{labels or ''} not exported"
-    return total
 
 
 def humaneval(*numbers: int) -> list[str]:

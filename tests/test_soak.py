@@ -49,6 +49,25 @@ def samples(*totals_kib):
     return [soak.MemorySample(10.0 * i, total, {"tritonserver": total}) for i, total in enumerate(totals_kib)]
 
 
+def test_the_report_shows_how_the_kv_pools_grew_next_to_rss():
+    memory_samples = samples(1000, 2000, 2050, 2100)
+    for sample, tokens in zip(memory_samples, (0, 900, 1000, 1200)):
+        sample.kv_cached_tokens = {"target": tokens, "draft": tokens // 2}
+    report = soak.build_report(options(), soak.Tally(completed=5, tokens=40), memory_samples, 100.0, 42, True)
+    assert report["memory"]["kv_cached_tokens_after_warmup"] == {"target": 900, "draft": 450}
+    assert report["memory"]["kv_cached_tokens_end"] == {"target": 1200, "draft": 600}
+    assert "KV pools draft 450 -> 600 tokens, target 900 -> 1200 tokens" in soak.summary(report)
+    line = soak.progress_line(soak.Tally(completed=3), memory_samples, 30.0, 100.0)
+    assert "completed 3" in line and "2 MiB (KV pools draft 600, target 1200 tokens)" in line
+
+
+def test_the_metrics_url_follows_the_grpc_host_unless_given():
+    assert soak.parse_args(["--url", "10.0.0.5:8001"]).metrics_url == "http://10.0.0.5:8002/metrics"
+    assert soak.parse_args(["--metrics-url", ""]).metrics_url == ""
+    assert soak.pool_tokens("") == {}
+    assert soak.pool_tokens("http://127.0.0.1:9/metrics") == {}  # unreachable: no pool sizes, no crash
+
+
 def test_growth_is_measured_from_the_end_of_the_warm_up():
     tally = soak.Tally(completed=5, tokens=40)
     report = soak.build_report(options(), tally, samples(1000, 2000, 2050, 2100), 100.0, 42, True)
@@ -97,7 +116,7 @@ def test_short_soak_against_the_real_server(triton_server, tmp_path, capsys):
     report_path = tmp_path / "soak.json"
     argv = ["--url", triton_server.grpc_url, "--users", "2", "--duration", "45", "--max-tokens", "12",
             "--prompts", "short", "--warmup-seconds", "15", "--sample-seconds", "3", "--progress-seconds", "15",
-            "--json", str(report_path)]
+            "--metrics-url", f"{triton_server.metrics_url}/metrics", "--json", str(report_path)]
     if triton_server.pid:
         argv += ["--pid", str(triton_server.pid)]
     code = soak.main(argv)
@@ -108,4 +127,5 @@ def test_short_soak_against_the_real_server(triton_server, tmp_path, capsys):
     assert report["errors"] == 0, report["error_examples"]
     assert report["completed"] + report["cancelled"] >= 4 and report["server_ready_after"]
     assert report["memory"]["growth_percent"] < 10.0, report["memory"]
+    assert set(report["memory"]["kv_cached_tokens_end"]) == {"target", "draft"}, report["memory"]
     assert code == 0, report["failures"]
