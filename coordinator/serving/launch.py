@@ -34,6 +34,7 @@ ADMIN_KEY_HEADER = "specdec-admin-key"
 # Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
+ONEDNN_CACHE_VAR, ONEDNN_CACHE_CAPACITY = "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"
 _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
 
 
@@ -134,6 +135,12 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
             "SPECDEC_TOKENIZER_DIR": str(pair.tokenizer_dir),
         }
     )
+    # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape, up
+    # to 1024; each new prompt length adds some (prefill), and the engines'
+    # resident memory crept up by megabytes per request. Decoding uses fixed
+    # shapes (decode_rows), so a small cache loses nothing measurable (README,
+    # "Soak"). A value already in the environment wins.
+    env.setdefault(ONEDNN_CACHE_VAR, ONEDNN_CACHE_CAPACITY)
     env.update(options.extra_env)
     env.pop(ADMIN_KEY_VAR, None)  # the key goes to tritonserver's flags only, never to the models
     return env
