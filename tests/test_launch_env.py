@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.serving import launch, tritonserver
 
 
@@ -11,13 +13,14 @@ def environment(tmp_path, **options):
     return launch.server_environment(launch.ServerOptions(**options), pair, install)
 
 
-def test_the_engines_get_a_small_onednn_primitive_cache_unless_one_is_set(tmp_path, monkeypatch):
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    assert environment(tmp_path)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-    assert environment(tmp_path)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
-    env = environment(tmp_path, extra_env={"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"})
-    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+@pytest.mark.parametrize("name,default", [("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"), ("OMP_WAIT_POLICY", "PASSIVE")])
+def test_engine_runtime_defaults_unless_the_environment_sets_them(tmp_path, monkeypatch, name, default):
+    monkeypatch.delenv(name, raising=False)
+    assert launch.ENGINE_ENV_DEFAULTS[name] == default
+    assert environment(tmp_path)[name] == default
+    monkeypatch.setenv(name, "from-the-user")
+    assert environment(tmp_path)[name] == "from-the-user"
+    assert environment(tmp_path, extra_env={name: "from-options"})[name] == "from-options"
 
 
 def test_the_models_are_pointed_at_the_prepared_pair(tmp_path):

@@ -34,7 +34,19 @@ ADMIN_KEY_HEADER = "specdec-admin-key"
 # Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
-ONEDNN_CACHE_VAR, ONEDNN_CACHE_CAPACITY = "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"
+# Defaults for the model processes' CPU runtime (measurements in the README):
+ENGINE_ENV_DEFAULTS = {
+    # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape,
+    # up to 1024; each new prompt length adds some (prefill), and the engines'
+    # resident memory crept up by megabytes per request. Decoding uses fixed
+    # shapes (decode_rows), so a small cache loses nothing measurable ("Soak").
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+    # target and draft are two processes with their own OpenMP threads on the
+    # same cores. Spinning threads (OpenMP's default wait) took the cores from
+    # the other engine: 4 concurrent speculative streams got 0.24x the total
+    # tokens/s of one stream; sleeping threads: 0.89x ("Load testing").
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
 _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
 
 
@@ -135,12 +147,8 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
             "SPECDEC_TOKENIZER_DIR": str(pair.tokenizer_dir),
         }
     )
-    # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape, up
-    # to 1024; each new prompt length adds some (prefill), and the engines'
-    # resident memory crept up by megabytes per request. Decoding uses fixed
-    # shapes (decode_rows), so a small cache loses nothing measurable (README,
-    # "Soak"). A value already in the environment wins.
-    env.setdefault(ONEDNN_CACHE_VAR, ONEDNN_CACHE_CAPACITY)
+    for name, value in ENGINE_ENV_DEFAULTS.items():  # a value already in the environment wins
+        env.setdefault(name, value)
     env.update(options.extra_env)
     env.pop(ADMIN_KEY_VAR, None)  # the key goes to tritonserver's flags only, never to the models
     return env
