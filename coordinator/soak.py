@@ -264,14 +264,17 @@ def run_soak(options) -> dict:
     deadline = started + options.duration
     stop = threading.Event()
 
+    def take_sample() -> None:
+        """RSS of the server's processes and, next to it, the engines' KV-pool sizes."""
+        sample = sample_memory(root, started) if root else None
+        if sample:
+            sample.kv_cached_tokens = pool_tokens(options.metrics_url)
+            samples.append(sample)
+
     def sampler():
         next_progress = options.progress_seconds
         while True:
-            if root:
-                sample = sample_memory(root, started)
-                if sample:
-                    sample.kv_cached_tokens = pool_tokens(options.metrics_url)
-                    samples.append(sample)
+            take_sample()
             elapsed = time.monotonic() - started
             if options.progress_seconds > 0 and elapsed >= next_progress:
                 next_progress += options.progress_seconds
@@ -291,11 +294,7 @@ def run_soak(options) -> dict:
         thread.join(options.duration + options.request_timeout + 60)
     stop.set()
     sampling.join()
-    if root:
-        final = sample_memory(root, started)
-        if final:
-            final.kv_cached_tokens = pool_tokens(options.metrics_url)
-            samples.append(final)
+    take_sample()  # the end of the run
     elapsed = time.monotonic() - started
     with grpcclient.InferenceServerClient(options.url) as client:
         try:
@@ -365,7 +364,7 @@ def build_report(options, tally: Tally, samples: list[MemorySample], elapsed: fl
         "elapsed_seconds": round(elapsed, 1),
         "max_tokens": options.max_tokens,
         "cancel_ratio": options.cancel_ratio,
-        "prompts": getattr(options, "prompts", "humaneval"),
+        "prompts": options.prompts,
         "warmup_seconds": warmup,
         "completed": tally.completed,
         "cancelled": tally.cancelled,

@@ -255,4 +255,4 @@ def test_freed_heap_memory_goes_back_to_the_os():
     if not release_free_heap():
         pytest.skip("not glibc: nothing to trim")
     assert before - _rss_mib() > 50, "the freed blocks stayed resident"  # ~110 MB measured, 0 without the trim
-    assert len(kept) == 938
+    del kept  # alive until after the trim

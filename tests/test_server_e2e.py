@@ -10,26 +10,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
-from coordinator.bench import load_humaneval
-from coordinator.client import build_inputs, stream_completion
-from tests.server_http import metric, metrics_text
+from coordinator.client import build_inputs
+from tests.server_client import complete, grpc_error, humaneval_prompts, metric, metrics_text, tensor
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 40
-
-
-def humaneval_prompts(*task_numbers: int) -> list[str]:
-    problems = load_humaneval()
-    return [problems[f"HumanEval/{n}"] for n in task_numbers]
-
-
-def complete(server, prompt, **kwargs):
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        return stream_completion(client, build_inputs(prompt, kwargs.pop("max_tokens", MAX_TOKENS), **kwargs))
 
 
 def test_streaming_completion_is_sensible_and_reports_statistics(triton_server):
@@ -44,8 +31,8 @@ def test_streaming_completion_is_sensible_and_reports_statistics(triton_server):
 
 @pytest.mark.parametrize("prompt", humaneval_prompts(2, 23, 53))
 def test_greedy_speculation_is_byte_identical_to_plain_decoding(triton_server, prompt):
-    plain = complete(triton_server, prompt, speculation_window=0)
-    speculative = complete(triton_server, prompt, speculation_window=5)
+    plain = complete(triton_server, prompt, max_tokens=MAX_TOKENS, speculation_window=0)
+    speculative = complete(triton_server, prompt, max_tokens=MAX_TOKENS, speculation_window=5)
     assert speculative.text == plain.text
     assert plain.draft_tokens == 0 and plain.acceptance_rate == 0.0
     assert speculative.draft_tokens > 0
@@ -67,7 +54,8 @@ def test_seeded_sampling_repeats_with_rejection_sampling(triton_server):
     assert first.draft_tokens > 0 and first.accepted_draft_tokens > 0
     plain = complete(triton_server, prompt, speculation_window=0, **kwargs)
     assert plain.text == complete(triton_server, prompt, speculation_window=0, **kwargs).text
-    other = complete(triton_server, prompt, speculation_window=4, adaptive_window=False, **{**kwargs, "seed": 7})
+    other = complete(triton_server, prompt, speculation_window=4, adaptive_window=False,
+                     **{**kwargs, "seed": 7})
     assert other.text != first.text
 
 
@@ -102,13 +90,6 @@ def test_http_generate_endpoint(triton_server):
     assert answer["total_accepted_draft_tokens"] <= answer["total_draft_tokens"]
 
 
-def _grpc_error(server, inputs) -> str:
-    with pytest.raises(InferenceServerException) as error:
-        with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            stream_completion(client, inputs, timeout=120)
-    return error.value.message()
-
-
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -123,23 +104,18 @@ def _grpc_error(server, inputs) -> str:
 )
 def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(triton_server, kwargs, message):
     prompt = kwargs.pop("prompt")
-    assert message in _grpc_error(triton_server, build_inputs(prompt, kwargs.pop("max_tokens"), **kwargs))
+    assert message in grpc_error(triton_server, build_inputs(prompt, kwargs.pop("max_tokens"), **kwargs))
     assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
 
 
 def test_wrong_dtype_shape_and_unknown_inputs_are_refused_by_name(triton_server):
-    def tensor(name, array, dtype):
-        t = grpcclient.InferInput(name, list(array.shape), dtype)
-        t.set_data_from_numpy(array)
-        return t
-
     text = tensor("text_input", np.array([b"def f():"], dtype=object), "BYTES")
     wrong_dtype = tensor("max_tokens", np.array([4.0], dtype=np.float32), "FP32")
-    assert "max_tokens" in _grpc_error(triton_server, [text, wrong_dtype])
+    assert "max_tokens" in grpc_error(triton_server, [text, wrong_dtype])
     wrong_shape = tensor("max_tokens", np.array([4, 4], dtype=np.int32), "INT32")
-    assert "max_tokens" in _grpc_error(triton_server, [text, wrong_shape])
+    assert "max_tokens" in grpc_error(triton_server, [text, wrong_shape])
     unknown = tensor("bogus", np.array([1], dtype=np.int32), "INT32")
-    assert "bogus" in _grpc_error(triton_server, [text, unknown])
+    assert "bogus" in grpc_error(triton_server, [text, unknown])
     assert complete(triton_server, "def g():", max_tokens=2).completion_tokens == 2
 
 

@@ -18,14 +18,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from coordinator.bench import load_humaneval
 from coordinator.client import MODEL, build_inputs, stream_completion
 from coordinator.engine_io import engine_inputs
 from coordinator.sampling import SamplingParams
 from coordinator.soak import process_tree, sample_memory
 from coordinator.serving.launch import PROJECT_ROOT, ServerOptions
 from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server
-from tests.server_http import http_status, metric, metrics_text
+from tests.server_client import (complete, grpc_error, http_status, humaneval_prompts, metric, metrics_text,
+                                 tensor)
 
 pytestmark = pytest.mark.slow
 
@@ -36,39 +36,14 @@ MAX_CACHED_SEQUENCES = 8  # model_repository/{target,draft}/configs/cpu.pbtxt
 # -- helpers --------------------------------------------------------------------
 
 
-def tensor(name, array, dtype):
-    array = np.asarray(array)
-    t = grpcclient.InferInput(name, list(array.shape), dtype)
-    t.set_data_from_numpy(array)
-    return t
-
-
 def text(value: bytes | str) -> np.ndarray:
     return np.array([value.encode() if isinstance(value, str) else value], dtype=object)
-
-
-def complete(server, prompt, max_tokens=12, timeout=300.0, **kwargs):
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        return stream_completion(client, build_inputs(prompt, max_tokens, **kwargs), timeout=timeout)
-
-
-def error_of(server, inputs, timeout=60.0) -> str:
-    """The error message the server answers ``inputs`` with (fails if it answers otherwise)."""
-    with pytest.raises(InferenceServerException) as error:
-        with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            stream_completion(client, inputs, timeout=timeout)
-    return error.value.message()
 
 
 def assert_serving(server):
     """Healthy, and a good request completes (one cheap plain step: its prompt is cached)."""
     assert http_status(server, "/v2/health/ready")[0] == 200
     assert complete(server, GOOD_PROMPT, max_tokens=1, speculation_window=0).completion_tokens == 1
-
-
-def humaneval(*numbers: int) -> list[str]:
-    problems = load_humaneval()
-    return [problems[f"HumanEval/{n}"] for n in numbers]
 
 
 def server_rss_mib(server) -> float:
@@ -194,7 +169,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_is_refused_by_name_and_the_server_keeps_serving(triton_server, name):
     specs, messages = BAD_INPUTS[name]
-    message = error_of(triton_server, [tensor(*spec) for spec in specs])
+    message = grpc_error(triton_server, [tensor(*spec) for spec in specs])
     for expected in messages:
         assert expected in message, f"{name}: {message!r} lacks {expected!r}"
     assert_serving(triton_server)
@@ -295,7 +270,7 @@ def test_a_raising_target_gives_a_clean_error_and_nothing_hangs(triton_server):
     before = metrics_text(triton_server)
     started = time.monotonic()
     inputs = build_inputs("def h():", 8, seed=FAULT_SEEDS["target_raises"])
-    message = error_of(triton_server, inputs, timeout=60)
+    message = grpc_error(triton_server, inputs, timeout=60)
     assert time.monotonic() - started < 60
     assert message.startswith("target: ") and "injected fault" in message
     after = metrics_text(triton_server)
@@ -426,7 +401,7 @@ def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
     # The eight shortest HumanEval problems of the development range (38-50 tokens). With the
     # other tests' entries, more sequences than the engines' pools keep (8): entries are evicted
     # while the streams run, and the outputs must not change.
-    prompts = humaneval(23, 83, 45, 27, 24, 53, 55, 85)
+    prompts = humaneval_prompts(23, 83, 45, 27, 24, 53, 55, 85)
     alone = [complete(triton_server, p, max_tokens=12) for p in prompts]
     together: list = [None] * len(prompts)
     failures: list[BaseException] = []

@@ -9,7 +9,7 @@ from tritonclient.utils import InferenceServerException
 
 from coordinator.client import build_inputs, stream_completion
 from coordinator.serving.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
-from tests.server_http import http_status
+from tests.server_client import http_status
 
 pytestmark = pytest.mark.slow
 

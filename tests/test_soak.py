@@ -41,7 +41,7 @@ def test_nothing_listens_on_a_closed_port():
 
 def options(**overrides):
     base = dict(url="x:1", users=2, duration=100.0, max_tokens=8, cancel_ratio=0.1, warmup_seconds=None,
-                max_growth_percent=10.0)
+                max_growth_percent=10.0, prompts="humaneval")
     return SimpleNamespace(**{**base, **overrides})
 
 

@@ -1,0 +1,66 @@
+"""Calls to the test server (gRPC, HTTP and metrics ports) and the inputs
+they need, shared by the real-server test modules."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from coordinator.bench import load_humaneval
+from coordinator.client import Completion, build_inputs, stream_completion
+from coordinator.scrape import fetch_metrics, metric_value
+
+
+def humaneval_prompts(*task_numbers: int) -> list[str]:
+    problems = load_humaneval()
+    return [problems[f"HumanEval/{n}"] for n in task_numbers]
+
+
+def tensor(name, array, dtype) -> grpcclient.InferInput:
+    array = np.asarray(array)
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def complete(server, prompt, max_tokens: int, timeout: float = 300.0, **kwargs) -> Completion:
+    """One streamed completion from the coordinator (``kwargs``: build_inputs' options)."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        return stream_completion(client, build_inputs(prompt, max_tokens, **kwargs), timeout=timeout)
+
+
+def grpc_error(server, inputs, timeout: float = 60.0) -> str:
+    """The error message the server answers ``inputs`` with (fails if it answers otherwise)."""
+    with pytest.raises(InferenceServerException) as error:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            stream_completion(client, inputs, timeout=timeout)
+    return error.value.message()
+
+
+def http_status(server, path, method="GET", headers=None, body=None) -> tuple[int, str]:
+    """(status, body) of an HTTP call; a POST without a body sends ``{}``."""
+    if body is None and method == "POST":
+        body = b"{}"
+    request = urllib.request.Request(f"{server.http_url}{path}", method=method, headers=headers or {}, data=body)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def metrics_text(server) -> str:
+    return fetch_metrics(f"{server.metrics_url}/metrics")
+
+
+def metric(body: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels`` (fails if none is exported)."""
+    try:
+        return metric_value(body, name, **labels)
+    except KeyError as missing:
+        raise AssertionError(str(missing)) from None
