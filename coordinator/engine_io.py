@@ -24,7 +24,11 @@ def engine_inputs(
     draft_tokens: Sequence[int] = (),
     draft_logits: np.ndarray | None = None,
     return_logits: bool = False,
+    seed_input: str = "random_seed",
 ) -> dict[str, np.ndarray]:
+    """``sampling.seed`` is this call's own seed, sent as ``seed_input``
+    (``random_seed`` or ``seed``, by backend version). ``draft_logits`` are
+    sent as given: log q, which the backend reads through a plain softmax."""
     def scalar(name: str, value) -> np.ndarray:
         return np.array([[value]], dtype=ENGINE_INPUTS[name].numpy_dtype)
 
@@ -38,7 +42,7 @@ def engine_inputs(
         "temperature": scalar("temperature", 1.0 if sampling.greedy else sampling.temperature),
         "runtime_top_k": scalar("runtime_top_k", 1 if sampling.greedy else sampling.top_k),
         "runtime_top_p": scalar("runtime_top_p", sampling.top_p),
-        "random_seed": scalar("random_seed", sampling.seed),
+        seed_input: scalar("random_seed", sampling.seed),
     }
     if draft_tokens:  # TensorRT-LLM asserts on an empty draft
         tensors["draft_input_ids"] = np.asarray(draft_tokens, dtype=np.int32).reshape(1, -1)
@@ -50,8 +54,11 @@ def engine_inputs(
 
 
 def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> list[int]:
-    """Tokens of beam 0 of the single request (the engine excludes the input)."""
-    ids = np.asarray(output_ids).reshape(-1, np.asarray(output_ids).shape[-1])[0]
+    """Tokens of beam 0 of the single request (the engine excludes the input).
+
+    A call that met the end token first returns none (TensorRT-LLM does not
+    count it): ``output_ids`` may then have no token column at all."""
+    ids = _rows(output_ids, 1)[0]
     length = int(np.asarray(sequence_length).reshape(-1)[0])
     if not 0 <= length <= ids.size:
         raise ValueError(f"sequence_length {length} is outside output_ids of size {ids.size}")
@@ -60,8 +67,17 @@ def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> lis
 
 def generation_logits(logits: np.ndarray, tokens: int) -> np.ndarray:
     """Beam 0's logits [tokens, vocab] from ``generation_logits`` [1, beam, n, vocab] (or [1, n, vocab])."""
-    array = np.asarray(logits, dtype=np.float32)
-    rows = array.reshape(-1, array.shape[-2], array.shape[-1])[0]
+    rows = _rows(np.asarray(logits, dtype=np.float32), 2)[0]
     if rows.shape[0] < tokens:
         raise ValueError(f"generation_logits has {rows.shape[0]} rows for {tokens} generated tokens")
     return rows[:tokens]
+
+
+def _rows(array: np.ndarray, trailing: int) -> np.ndarray:
+    """``array`` with its leading (batch, beam) dims flattened into one, keeping
+    the last ``trailing`` dims; works when one of those is 0."""
+    array = np.asarray(array)
+    if array.ndim <= trailing:
+        return array.reshape(1, *array.shape)
+    lead = int(np.prod(array.shape[:-trailing]))
+    return array.reshape(lead, *array.shape[-trailing:])

@@ -4,10 +4,17 @@ Each round asks the policy for a window k (bounded by the tokens still
 allowed), lets the draft propose k tokens, asks the target to verify them in
 one forward pass (it returns the accepted prefix plus one token of its own),
 and yields what was emitted. With k = 0 the round is one plain target step.
-For sampled requests the draft also returns its logits and the target
-verifies by rejection sampling, so the output is distributed exactly as the
-target's. Every engine call is timed for the policy's cost model. Engines are
-awaited, so many requests interleave their rounds on one coordinator.
+For sampled requests the draft also returns its logits, the coordinator sends
+the draft's distribution q as log-probabilities and the target verifies by
+rejection sampling, so the output is distributed exactly as the target's.
+Every engine call gets a seed of its own (``call_seed``). Every engine call is
+timed for the policy's cost model. Engines are awaited, so many requests
+interleave their rounds on one coordinator.
+
+The end of a sequence is found from the token counts, not from the end token
+itself: TensorRT-LLM neither returns nor counts it, so a call that reached
+the end returns fewer tokens than it otherwise must (none of the target's
+own). An engine that does return the end token is handled too.
 
 A draft call that raises, or does not answer within ``draft_timeout`` seconds,
 switches the request to target-only decoding (``policy.draft_failed``); the
@@ -20,20 +27,21 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
+from coordinator.engine_semantics import before_end
 from coordinator.policy import SpeculationPolicy
-from coordinator.sampling import SamplingParams, draft_logits_for_target
+from coordinator.sampling import SamplingParams, call_seed, draft_log_probs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineOutput:
-    tokens: list[int]
+    tokens: list[int]  # end token excluded or not: the loop copes with both
     logits: np.ndarray | None = None  # [len(tokens), vocab] raw logits, when asked for
 
 
@@ -49,8 +57,9 @@ class Engine(Protocol):
     ) -> EngineOutput:
         """Generate up to ``max_new_tokens`` after ``input_ids``; with
         ``draft_tokens`` (k of them, max_new_tokens = k + 1) verify them (by
-        rejection sampling when ``draft_logits`` [k, vocab] are given) and
-        return the accepted prefix plus one token."""
+        rejection sampling against softmax(``draft_logits``) [k, vocab] when
+        given) and return the accepted prefix plus one token. ``sampling.seed``
+        seeds this call alone."""
         ...
 
 
@@ -88,6 +97,27 @@ def _cut_after_end(tokens: list[int], end_ids: Collection[int]) -> list[int]:
     return tokens
 
 
+def reached_end_by_count(returned: int, accepted: int, requested: int, verified: bool) -> bool:
+    """Whether a target call that returned ``returned`` tokens (``accepted``
+    of them draft tokens) for ``requested`` stopped at the end token, which a
+    TensorRT-LLM engine does not return.
+
+    No token of the target's own after the accepted drafts: the next one was
+    the end. A plain call that returned fewer than requested: the end. A
+    verification that returned exactly one token of its own is a normal
+    rejection on an engine that stops after the correction token; on one that
+    keeps decoding to ``request_output_len`` it may also mean the end came
+    right after it, and then the next round's call returns no token: correct
+    either way, one call later at most. More than one own token but fewer
+    than requested happens only on an engine that keeps decoding: the end."""
+    own = returned - accepted
+    if own <= 0:
+        return True
+    if returned >= requested:
+        return False
+    return not verified or own > 1
+
+
 async def speculative_decode(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
@@ -115,6 +145,7 @@ async def speculative_decode(
     while produced < max_new_tokens:
         remaining = max_new_tokens - produced
         k = min(policy.window(), remaining - 1)
+        position = len(context)  # of the first new token: the calls' seeds depend on it
         proposal: list[int] = []
         proposal_logits = None
         draft_seconds = 0.0
@@ -122,19 +153,24 @@ async def speculative_decode(
             started = clock()
             try:
                 drafted = await _with_deadline(
-                    draft.generate(context, k, draft_sampling, return_logits=want_logits), draft_timeout
+                    draft.generate(context, k, replace(draft_sampling, seed=call_seed(sampling.seed, position, "draft")),
+                                   return_logits=want_logits),
+                    draft_timeout,
                 )
-                proposal = _cut_after_end(list(drafted.tokens)[:k], end_ids)
+                # the target decides the end itself: the draft's end token is not proposed
+                proposal = before_end(list(drafted.tokens)[:k], end_ids)
                 if want_logits and proposal:
-                    proposal_logits = _draft_logits(drafted, len(proposal), draft_sampling, sampling)
+                    proposal_logits = await _draft_log_probs(drafted, len(proposal), draft_sampling)
             except Exception as error:  # the request goes on without the draft
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
                 proposal, proposal_logits = [], None
             draft_seconds = clock() - started
+        requested = len(proposal) + 1
         started = clock()
         verified = await target.generate(
-            context, len(proposal) + 1, sampling, draft_tokens=proposal, draft_logits=proposal_logits
+            context, requested, replace(sampling, seed=call_seed(sampling.seed, position, "target")),
+            draft_tokens=proposal, draft_logits=proposal_logits,
         )
         target_seconds = clock() - started
         steady = target_seen > 0  # the target caught up on one round's tokens at most
@@ -142,23 +178,26 @@ async def speculative_decode(
         target_seen = len(context)
         if proposal:
             draft_seen = len(context)
-        emitted = list(verified.tokens)
-        if not 1 <= len(emitted) <= len(proposal) + 1:
-            raise EngineError(f"target returned {len(emitted)} tokens for a round of {len(proposal)} draft tokens")
-        accepted = common_prefix_length(emitted, proposal)
+        returned = [int(t) for t in verified.tokens]
+        if len(returned) > requested:
+            raise EngineError(f"target returned {len(returned)} tokens for a round of {len(proposal)} draft tokens")
+        accepted = common_prefix_length(returned, proposal)
+        emitted = _cut_after_end(returned[:remaining], end_ids)
+        ended = bool(emitted) and emitted[-1] in end_ids
+        if ended:  # an engine that returns the end token
+            emitted.pop()
+        else:
+            ended = reached_end_by_count(len(returned), accepted, requested, verified=bool(proposal))
         if proposal:
             timed = steady and draft_steady
-            policy.record(len(proposal), accepted, draft_seconds if timed else None, target_seconds if timed else None)
+            policy.record(len(proposal), min(accepted, len(emitted)), draft_seconds if timed else None,
+                          target_seconds if timed else None)
         else:
             policy.record_plain(target_seconds if steady else None)
-        emitted = _cut_after_end(emitted[:remaining], end_ids)
-        ended = emitted[-1] in end_ids
-        if ended:
-            emitted.pop()
         context += emitted
         produced += len(emitted)
         finished = ended or produced >= max_new_tokens
-        yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
+        yield Round(emitted, len(proposal), min(accepted, len(emitted)), finished, draft_seconds, target_seconds)
         if ended:
             return
 
@@ -184,13 +223,9 @@ def _drop_result(task: asyncio.Future) -> None:
         log.info("a late draft call failed after its deadline: %s", task.exception())
 
 
-def _draft_logits(drafted: EngineOutput, k: int, draft_sampling: SamplingParams, sampling: SamplingParams):
+async def _draft_log_probs(drafted: EngineOutput, k: int, draft_sampling: SamplingParams) -> np.ndarray:
+    """log q of the first k drafted tokens, computed off the event loop (k rows
+    over the whole vocabulary: milliseconds that other streams need not wait for)."""
     if drafted.logits is None or len(drafted.logits) < k:
         raise EngineError("the draft returned no generation_logits for a sampled request")
-    logits = np.asarray(drafted.logits[:k], dtype=np.float32)
-    if draft_sampling == sampling:  # the target processes them exactly as the draft did
-        return logits
-    try:
-        return draft_logits_for_target(logits, draft_sampling, sampling)
-    except ValueError:  # the target cannot be told q: verify by token matching (lossless for any draft)
-        return None
+    return await asyncio.to_thread(draft_log_probs, np.asarray(drafted.logits[:k]), draft_sampling)

@@ -1,25 +1,28 @@
-"""Token selection maths shared by the engines: logits processing, seeded
-sampling and speculative acceptance. numpy only, so it is tested in
-milliseconds and runs unchanged inside any engine.
+"""Token selection maths: logits processing, seeded sampling, speculative
+acceptance, and what the coordinator sends so that an engine verifies
+losslessly. numpy only, so it is tested in milliseconds and runs unchanged
+inside any engine.
 
-Randomness is keyed by (seed, absolute position): the draft and the target
-draw the same uniform for the same position. With token-matching
-verification this couples the two samplers (a draft close to the target then
-proposes the token the target will sample) while every emitted token is still
-the target's own sample, so speculation stays lossless and, for a fixed seed,
-gives exactly the output of plain decoding.
+Random state follows the tensorrtllm backend: every engine call is a new
+request whose random numbers come from that call's seed alone, drawn in
+order (TensorRT-LLM seeds curand once per request from ``random_seed``). The
+coordinator therefore gives every call its own seed, derived from the
+request's seed, the call's absolute position and its role (``call_seed``), so
+no two calls of a request share a stream and the same request seed still
+gives the same text.
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
+import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-# Sub-streams of the per-position random numbers.
-_STREAM_SAMPLE = 0
-_STREAM_ACCEPT = 1
-_STREAM_RESIDUAL = 2
+ROLES = ("draft", "target")
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,28 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
-def position_uniform(seed: int, position: int, stream: int = _STREAM_SAMPLE) -> float:
-    """A uniform in [0, 1) that depends only on (seed, position, stream)."""
-    return float(np.random.default_rng([int(seed), int(position), stream]).random())
+def call_seed(request_seed: int, position: int, role: str) -> int:
+    """The seed of one engine call: a 64-bit hash of (request seed, absolute
+    position of the call's first new token, role).
+
+    Positions only grow within a request and each role makes one call per
+    position, so every call of a request draws from a stream of its own."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    key = struct.pack("<QQ", int(request_seed) % 2**64, int(position)) + role.encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"specdec-seed").digest(), "little")
+
+
+class Uniforms(Protocol):
+    def random(self) -> float:
+        """The next uniform in [0, 1)."""
+        ...
+
+
+def call_rng(seed: int) -> Uniforms:
+    """The random stream of one engine call, from that call's seed alone
+    (a Mersenne Twister: cheap to seed once per call, and calls draw few numbers)."""
+    return random.Random(int(seed) % 2**64)
 
 
 def _scores(logits: np.ndarray) -> np.ndarray:
@@ -50,6 +72,21 @@ def _scores(logits: np.ndarray) -> np.ndarray:
     if nan.any():
         scores = np.where(nan, -np.inf, scores)
     return scores
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """A plain softmax (float64): how the tensorrtllm backend reads ``draft_logits``.
+
+    -inf gets probability 0; all -inf (or +inf present) shares the mass among
+    the maximal entries, as ``processed_probs`` does."""
+    scores = _scores(logits)
+    top = scores.max()
+    if not np.isfinite(top):
+        scores = np.where(scores == top, 0.0, -np.inf)
+    else:
+        scores = scores - top
+    probs = np.exp(scores)
+    return probs / probs.sum()
 
 
 def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -104,25 +141,44 @@ def inverse_cdf(probs: np.ndarray, u: float) -> int:
     return index
 
 
-def select_token(logits: np.ndarray, params: SamplingParams, position: int) -> int:
-    """The token a (draft or target) sampler emits at ``position``."""
+def select_token(logits: np.ndarray, params: SamplingParams, rng: Uniforms) -> int:
+    """The token a sampler emits: argmax when greedy (no random number drawn),
+    else one draw from ``rng``."""
     if params.greedy:
         return int(np.argmax(_scores(logits)))
-    return inverse_cdf(processed_probs(logits, params), position_uniform(params.seed, position))
+    return inverse_cdf(processed_probs(logits, params), rng.random())
+
+
+def accept_or_correct(p: np.ndarray, q: np.ndarray, token: int, rng: Uniforms) -> int | None:
+    """One step of speculative rejection sampling (Leviathan et al.; Chen et al.).
+
+    Accept the draft's ``token`` with probability min(1, p(token)/q(token)):
+    returns None. Otherwise returns a sample of normalise(max(0, p - q)), the
+    correction. Over the draft's choice (``token`` ~ q) the result is
+    distributed exactly as p, whatever q is. One uniform for the test and,
+    after a rejection, one for the correction, both fresh from ``rng``.
+    """
+    if q[token] > 0.0 and rng.random() * q[token] < p[token]:
+        return None
+    residual = np.maximum(p - q, 0.0)
+    if not residual.sum() > 0.0:  # p == q: a rejection cannot happen, but be safe
+        residual = p
+    return inverse_cdf(residual / residual.sum(), rng.random())
 
 
 def verify_by_matching(
-    target_logits: np.ndarray, draft_tokens: list[int], params: SamplingParams, first_position: int
+    target_logits: np.ndarray, draft_tokens: list[int], params: SamplingParams, rng: Uniforms
 ) -> list[int]:
-    """Token-matching verification (no draft distribution available).
+    """Token-matching verification (no draft distribution given).
 
-    ``target_logits[i]`` predicts position ``first_position + i``. Returns the
-    accepted draft prefix plus one token of the target's own: the target's
-    sample at each position, accepted while it equals the draft token.
+    ``target_logits[i]`` predicts the position of ``draft_tokens[i]``. The
+    target samples each position; its token is accepted while it equals the
+    draft's. Returns the accepted prefix plus one token of the target's own.
+    Lossless for any draft: every emitted token is the target's own sample.
     """
     emitted: list[int] = []
     for i in range(len(draft_tokens) + 1):
-        token = select_token(target_logits[i], params, first_position + i)
+        token = select_token(target_logits[i], params, rng)
         emitted.append(token)
         if i == len(draft_tokens) or token != draft_tokens[i]:
             break
@@ -131,111 +187,44 @@ def verify_by_matching(
 
 def verify_by_rejection(
     target_logits: np.ndarray,
-    draft_logits: np.ndarray,
+    draft_probs: np.ndarray,
     draft_tokens: list[int],
     params: SamplingParams,
-    first_position: int,
-    draft_params: SamplingParams | None = None,
+    rng: Uniforms,
 ) -> list[int]:
-    """Speculative rejection sampling (Leviathan et al.; Chen et al.).
+    """Rejection-sampling verification against the draft's distribution q.
 
-    Accept draft token x with probability min(1, p(x)/q(x)); on the first
-    rejection emit a sample of normalise(max(0, p - q)); if all are accepted
-    emit a bonus sample of p. The emitted tokens are distributed exactly as
-    the target's sampler, whatever q is. ``draft_params`` is how the draft
-    sampled (it may use another temperature); defaults to ``params``.
+    ``draft_probs[i]`` is q for the position of ``draft_tokens[i]``; p is
+    the target's processed distribution. Returns the accepted prefix plus the
+    correction after the first rejection, or plus a bonus sample of p when
+    all are accepted: distributed exactly as the target's sampler.
     """
-    draft_params = draft_params or params
     emitted: list[int] = []
     for i, token in enumerate(draft_tokens):
-        position = first_position + i
-        p = processed_probs(target_logits[i], params)
-        q = processed_probs(draft_logits[i], draft_params)
-        u = position_uniform(params.seed, position, _STREAM_ACCEPT)
-        if q[token] > 0.0 and u * q[token] < p[token]:
-            emitted.append(int(token))
-            continue
-        residual = np.maximum(p - q, 0.0)
-        if residual.sum() <= 0.0:  # p == q: a rejection cannot happen, but be safe
-            residual = p
-        emitted.append(inverse_cdf(residual / residual.sum(), position_uniform(params.seed, position, _STREAM_RESIDUAL)))
-        return emitted
-    n = len(draft_tokens)
-    emitted.append(select_token(target_logits[n], params, first_position + n))
+        correction = accept_or_correct(processed_probs(target_logits[i], params), draft_probs[i], int(token), rng)
+        if correction is not None:
+            emitted.append(correction)
+            return emitted
+        emitted.append(int(token))
+    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
     return emitted
 
 
-# "Probability 0" as a finite logit: safe in float32 (also after an engine
-# divides it by a small temperature), and exp() of it is exactly 0.
-NEVER_LOGIT = -1e30
+def draft_log_probs(draft_logits: np.ndarray, draft_params: SamplingParams) -> np.ndarray:
+    """What the coordinator sends as ``draft_logits``: log q, float32 [k, vocab].
 
-
-def _filters(params: SamplingParams, vocab: int) -> tuple[int, float]:
-    """(top_k, top_p) as they act on a vocabulary of ``vocab`` tokens (0 and 1.0: none)."""
-    top_k = params.top_k if 0 < params.top_k < vocab else 0
-    top_p = params.top_p if params.top_p < 1.0 else 1.0
-    return top_k, top_p
-
-
-def draft_logits_for_target(
-    draft_logits: np.ndarray, draft_params: SamplingParams, target_params: SamplingParams
-) -> np.ndarray:
-    """Draft logits to send to a target that knows only its own sampling params.
-
-    A target verifying by rejection (TensorRT-LLM's contract, and
-    ``verify_by_rejection`` without ``draft_params``) takes the draft's
-    distribution to be ``processed_probs(row, target_params)`` of the
-    ``draft_logits`` it receives. When the draft sampled with other params
-    (say its own temperature), send these float32 rows L' instead: for each
-    row ``processed_probs(L'[i], target_params)`` equals
-    ``processed_probs(draft_logits[i], draft_params)`` (to 1e-6), so the
-    speculation stays lossless.
-
-    - greedy draft: 0 at the draft's token, ``NEVER_LOGIT`` elsewhere;
-    - same top-k and top-p: the logits times T_target / T_draft (shifted so
-      the maximum is 0): the target's temperature undoes the factor and its
-      filters then see exactly the draft's scores;
-    - other filters: T_target * log(q) (``NEVER_LOGIT`` where q is 0). The
-      target applies its own top-k and top-p to that, so this reproduces q
-      only if they keep all of q's support;
-    - greedy target: the rows as they are (float32; -inf and NaN as
-      ``NEVER_LOGIT``). A greedy target emits its own argmax whatever q is,
-      so any draft logits are lossless.
-
-    Raises ValueError when the target's processing cannot reproduce q (e.g.
-    its top-k is smaller than the draft's). The caller should then verify by
-    token matching (send no draft logits), which is lossless for any draft.
+    q is the distribution the draft actually sampled from (its raw logits
+    processed with its own temperature, top-k and top-p); -inf where q is 0.
+    The tensorrtllm backend takes q as a plain softmax of ``draft_logits``
+    (no temperature or filters: those apply to the target's side only), and
+    softmax(log q) = q, so verification is lossless whatever the draft's and
+    the target's sampling settings are.
     """
-    logits = np.asarray(draft_logits, dtype=np.float64)
-    if logits.ndim == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"draft_logits must be [k, vocab], got shape {list(logits.shape)}")
-    if target_params.greedy:
-        return np.maximum(np.where(np.isnan(logits), -np.inf, logits), NEVER_LOGIT).astype(np.float32)
-    rows = logits.reshape(-1, logits.shape[-1])
-    vocab = rows.shape[-1]
-    q = np.stack([processed_probs(row, draft_params) for row in rows]) if rows.size else np.zeros_like(rows)
-    if draft_params.greedy:
-        out = np.where(q > 0.0, 0.0, NEVER_LOGIT)
-    elif _filters(draft_params, vocab) == _filters(target_params, vocab):
-        factor = target_params.temperature / draft_params.temperature
-        out = np.empty_like(rows)
+    rows = np.asarray(draft_logits)
+    if rows.ndim != 2 or rows.shape[-1] == 0:
+        raise ValueError(f"draft logits must be [k, vocab], got shape {list(rows.shape)}")
+    out = np.empty(rows.shape, dtype=np.float32)
+    with np.errstate(divide="ignore"):
         for i, row in enumerate(rows):
-            scores = _scores(row)
-            top = scores.max()
-            if np.isfinite(top):
-                with np.errstate(over="ignore"):  # beyond float64: -inf, clipped below
-                    out[i] = (scores - top) * factor
-            else:  # as processed_probs: the tokens at an infinite maximum share the mass
-                out[i] = np.where(scores == top, 0.0, -np.inf)
-    else:
-        with np.errstate(divide="ignore"):
-            out = target_params.temperature * np.log(q)
-    out = np.maximum(out, NEVER_LOGIT).astype(np.float32)
-    for i, row in enumerate(out):
-        error = float(np.max(np.abs(processed_probs(row, target_params) - q[i])))
-        if not error <= 1e-6:
-            raise ValueError(
-                f"the target's sampling {target_params} cannot reproduce the draft's distribution "
-                f"under {draft_params} (row {i}: off by {error:.3g}); verify by token matching instead"
-            )
-    return out.reshape(logits.shape)
+            out[i] = np.log(processed_probs(row, draft_params))
+    return out

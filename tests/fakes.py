@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
+from coordinator import engine_semantics
 from coordinator.loop import EngineOutput
-from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
+from coordinator.sampling import SamplingParams
 
 VOCAB = 50
 
@@ -19,12 +21,22 @@ def toy_logits(context: Sequence[int], salt: int = 0) -> np.ndarray:
 
 
 class ToyEngine:
-    """Implements the loop's Engine protocol with tensorrtllm semantics."""
+    """Implements the loop's Engine protocol with the tensorrtllm backend's
+    semantics (coordinator/engine_semantics.py, as the CPU engine does).
 
-    def __init__(self, logits_fn: Callable[[Sequence[int]], np.ndarray] = toy_logits, end_id: int | None = None):
+    Two variations the coordinator must also get right: ``returns_end_token``
+    (an engine that returns and counts the end token) and
+    ``continues_after_verify`` (an engine that, after verifying the drafts,
+    keeps decoding plainly until ``request_output_len`` tokens or the end)."""
+
+    def __init__(self, logits_fn: Callable[[Sequence[int]], np.ndarray] = toy_logits, end_id: int | None = None,
+                 *, returns_end_token: bool = False, continues_after_verify: bool = False):
         self.logits_fn = logits_fn
         self.end_id = end_id
+        self.returns_end_token = returns_end_token
+        self.continues_after_verify = continues_after_verify
         self.calls: list[tuple[int, int]] = []  # (max_new_tokens, number of draft tokens)
+        self.seeds: list[int] = []
         self.fail_with: Exception | None = None
         self.received_draft_logits: list[np.ndarray] = []
 
@@ -35,32 +47,38 @@ class ToyEngine:
         if self.fail_with is not None:
             raise self.fail_with
         self.calls.append((max_new_tokens, len(draft_tokens)))
+        self.seeds.append(sampling.seed)
+        end_id = None if self.returns_end_token else self.end_id
         context = list(input_ids)
         if draft_tokens:
             rows = np.stack([self.logits_fn(context + list(draft_tokens[:i])) for i in range(len(draft_tokens) + 1)])
             if draft_logits is not None:
                 self.received_draft_logits.append(np.asarray(draft_logits))
-                tokens = verify_by_rejection(rows, np.asarray(draft_logits), list(draft_tokens), sampling, len(context))
-            else:
-                tokens = verify_by_matching(rows, list(draft_tokens), sampling, len(context))
-            tokens = _cut(tokens[:max_new_tokens], self.end_id)
-            return EngineOutput(tokens, rows[: len(tokens)] if return_logits else None)
-        out: list[int] = []
-        rows = []
-        for step in range(max_new_tokens):
-            logits = self.logits_fn(context + out)
-            rows.append(logits)
-            token = select_token(logits, sampling, len(context) + step)
-            out.append(token)
-            if token == self.end_id:
-                break
-        return EngineOutput(out, np.stack(rows) if return_logits else None)
+            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id)
+            tokens, logit_rows = list(call.tokens), list(call.logits)
+            own = len(tokens) - call.fed
+            if self.continues_after_verify and own > 0 and len(tokens) < max_new_tokens:
+                # a separate stream for the continuation, still from this call's seed alone
+                more = self._plain(context + tokens, max_new_tokens - len(tokens),
+                                   replace(sampling, seed=(sampling.seed + 1) % 2**64), end_id)
+                tokens += more.tokens
+                logit_rows += more.logits
+        else:
+            call = self._plain(context, max_new_tokens, sampling, end_id)
+            tokens, logit_rows = list(call.tokens), list(call.logits)
+        if self.returns_end_token and self.end_id in tokens:
+            tokens = tokens[: tokens.index(self.end_id) + 1]
+            logit_rows = logit_rows[: len(tokens)]
+        return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None)
 
+    def _plain(self, context, max_new_tokens, sampling, end_id):
+        fed: list[int] = []
 
-def _cut(tokens: list[int], end_id: int | None) -> list[int]:
-    if end_id is not None and end_id in tokens:
-        return tokens[: tokens.index(end_id) + 1]
-    return tokens
+        def step(token):  # the logits after feeding ``token`` (the first is the context's last)
+            fed.append(token)
+            return self.logits_fn(context + fed[1:])
+
+        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id)
 
 
 def noisy(logits_fn, flip_every: int, salt: int = 7):

@@ -67,12 +67,6 @@ def test_seeded_sampling_is_reproducible(model_dir):
         EngineRequest(PROMPT, 8, sampling=sampling)).tokens
 
 
-def test_stops_at_end_id(model_dir):
-    e = engine(model_dir)
-    greedy = e.run(EngineRequest(PROMPT, 6)).tokens
-    assert e.run(EngineRequest(PROMPT, 6, end_id=greedy[2])).tokens == greedy[: greedy.index(greedy[2]) + 1]
-
-
 @pytest.mark.parametrize(
     "request_kwargs,message",
     [

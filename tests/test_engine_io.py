@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from coordinator.contract import ENGINE_INPUTS
-from coordinator.engine_io import engine_inputs, generated_tokens
+from coordinator.engine_io import engine_inputs, generated_tokens, generation_logits
 from coordinator.sampling import SamplingParams
 
 
@@ -29,3 +29,18 @@ def test_generated_tokens_reads_beam_zero_up_to_sequence_length():
     assert generated_tokens(np.array([[[4, 5, 6, 0]]]), np.array([[3]])) == [4, 5, 6]
     with pytest.raises(ValueError):
         generated_tokens(np.array([[[4]]]), np.array([[2]]))
+
+
+def test_a_call_that_returned_no_token_reads_as_empty():
+    """TensorRT-LLM returns no token when the first new one is the end id."""
+    assert generated_tokens(np.zeros((1, 1, 0), np.int32), np.array([[0]])) == []
+    assert generated_tokens(np.array([[[7, 7]]]), np.array([[0]])) == []
+    assert generation_logits(np.zeros((1, 1, 0, 5), np.float32), 0).shape == (0, 5)
+    assert generation_logits(np.ones((1, 1, 3, 5), np.float32), 2).shape == (2, 5)
+
+
+def test_the_seed_goes_out_under_the_configured_name():
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1)
+    assert engine_inputs([1], 1, params, end_id=2, pad_id=1)["random_seed"].tolist() == [[2**64 - 1]]
+    renamed = engine_inputs([1], 1, params, end_id=2, pad_id=1, seed_input="seed")
+    assert "random_seed" not in renamed and renamed["seed"].dtype == np.uint64

@@ -14,6 +14,7 @@ from coordinator.cpu_engine.faults import (
     InjectedFault,
     parse_rules,
 )
+from coordinator.sampling import call_seed
 from tests._config_helpers import ROOT
 
 SEED = MIN_FAULT_SEED + 1
@@ -62,6 +63,19 @@ def test_rules_fire_only_for_their_model_and_seed():
     with pytest.raises(InjectedFault):
         target.apply(SEED + 2)
     target.apply(SEED)
+
+
+def test_rules_fire_for_the_seeds_the_coordinator_derives_for_each_call():
+    """The coordinator sends every engine call its own seed (call_seed of the
+    request's seed, position and role); a rule keyed by the request's seed fires
+    for those calls, and only for them."""
+    env = {FAULTS_VAR: f"draft:raise@seed={SEED}", ALLOW_VAR: "1"}
+    draft = FaultInjector.from_environment("draft", env)
+    for position in (1, 17, 300):
+        with pytest.raises(InjectedFault):
+            draft.apply(call_seed(SEED, position, "draft"), position)
+        draft.apply(call_seed(SEED, position, "draft"), position + 1)  # another position's seed
+        draft.apply(call_seed(SEED + 1, position, "draft"), position)  # another request seed
 
 
 def test_no_shipped_launch_path_enables_fault_injection():

@@ -3,8 +3,8 @@ import pytest
 
 from coordinator.sampling import (
     SamplingParams,
+    call_rng,
     inverse_cdf,
-    position_uniform,
     processed_probs,
     select_token,
     verify_by_matching,
@@ -14,8 +14,8 @@ from coordinator.sampling import (
 
 def test_greedy_is_argmax_and_top_k_one_is_greedy():
     logits = np.array([0.1, 3.0, 2.0])
-    assert select_token(logits, SamplingParams(), 0) == 1
-    assert select_token(logits, SamplingParams(temperature=5.0, top_k=1, seed=3), 0) == 1
+    assert select_token(logits, SamplingParams(), call_rng(0)) == 1
+    assert select_token(logits, SamplingParams(temperature=5.0, top_k=1, seed=3), call_rng(3)) == 1
 
 
 def test_top_k_and_top_p_filters():
@@ -28,10 +28,12 @@ def test_top_k_and_top_p_filters():
     assert np.allclose(probs, np.array([0.5, 0.3, 0.15, 0]) / 0.95)
 
 
-def test_position_uniform_is_deterministic_and_varies():
-    assert position_uniform(7, 3) == position_uniform(7, 3)
-    values = {position_uniform(7, p) for p in range(100)}
-    assert len(values) == 100 and all(0 <= v < 1 for v in values)
+def test_a_calls_random_stream_depends_on_its_seed_alone():
+    first, again, other = call_rng(7), call_rng(7), call_rng(8)
+    values = [first.random() for _ in range(100)]
+    assert values == [again.random() for _ in range(100)]
+    assert len(set(values)) == 100 and all(0 <= v < 1 for v in values)
+    assert values[:5] != [other.random() for _ in range(5)]
 
 
 def test_inverse_cdf_never_returns_zero_probability_tokens():
@@ -44,16 +46,17 @@ def test_seeded_sampling_matches_the_distribution():
     p = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
     params = SamplingParams(temperature=1.0, seed=11)
     n = 20000
-    counts = np.bincount([select_token(np.log(p), params, pos) for pos in range(n)], minlength=5)
+    rng = call_rng(11)
+    counts = np.bincount([select_token(np.log(p), params, rng) for _ in range(n)], minlength=5)
     chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 23.5
 
 
 def test_matching_verification_returns_accepted_prefix_plus_one():
     rows = np.eye(5)[[2, 3, 4, 1]] * 10  # target greedy: 2, 3, 4, 1
-    assert verify_by_matching(rows, [2, 3, 0], SamplingParams(), 0) == [2, 3, 4]
-    assert verify_by_matching(rows, [2, 3, 4], SamplingParams(), 0) == [2, 3, 4, 1]  # bonus token
-    assert verify_by_matching(rows, [0, 3, 4], SamplingParams(), 0) == [2]
+    assert verify_by_matching(rows, [2, 3, 0], SamplingParams(), call_rng(0)) == [2, 3, 4]
+    assert verify_by_matching(rows, [2, 3, 4], SamplingParams(), call_rng(0)) == [2, 3, 4, 1]  # bonus token
+    assert verify_by_matching(rows, [0, 3, 4], SamplingParams(), call_rng(0)) == [2]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +77,7 @@ def test_rejection_sampling_first_token_is_distributed_as_target(q):
     for trial in range(n):
         draft_token = int(rng.choice(5, p=q))
         params = SamplingParams(temperature=1.0, seed=trial)
-        out = verify_by_rejection(np.log(np.stack([p, p])), np.log(np.stack([q + 1e-300])), [draft_token], params, 0)
+        out = verify_by_rejection(np.log(np.stack([p, p])), q[None], [draft_token], params, call_rng(trial))
         firsts.append(out[0])
     counts = np.bincount(firsts, minlength=5)
     chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())

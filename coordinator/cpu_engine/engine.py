@@ -1,10 +1,12 @@
 """The CPU reference engine: one transformers causal LM, greedy/sampled
 generation, one-pass verification of draft tokens, prefix KV-cache reuse.
 
-Semantics follow TensorRT-LLM's ``draft_tokens_external`` mode: with k draft
-tokens the engine runs one forward pass over the new tokens plus the k drafts
-and returns the accepted prefix plus one token of its own. Acceptance is token
-matching, or rejection sampling when the draft's logits are given."""
+Semantics follow TensorRT-LLM's ``draft_tokens_external`` mode
+(coordinator/engine_semantics.py): with k draft tokens the engine runs one
+forward pass over the new tokens plus the k drafts and returns the accepted
+prefix plus one token of its own; acceptance is token matching, or rejection
+sampling against softmax(draft_logits) when they are given. The end token is
+not returned, and each call's random numbers come from its own seed."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from coordinator.cpu_engine import attention as attention_module
 from coordinator.cpu_engine.kv_pool import PrefixCachePool
 from coordinator.cpu_engine.quantize import check_scheme, quantize_linear_layers
-from coordinator.sampling import SamplingParams, select_token, verify_by_matching, verify_by_rejection
+from coordinator import engine_semantics
+from coordinator.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters of configs/cpu.pbtxt this engine understands.
@@ -211,33 +214,26 @@ class CausalLMEngine:
 
     def _verify(self, request, input_ids, drafts, cache):
         logits = self._decode([int(input_ids[-1]), *drafts], cache).numpy()
-        first_position = input_ids.size
-        if request.draft_logits is not None:
-            tokens = verify_by_rejection(
-                logits, np.asarray(request.draft_logits), drafts, request.sampling, first_position
-            )
-        else:
-            tokens = verify_by_matching(logits, drafts, request.sampling, first_position)
-        tokens = tokens[: request.max_new_tokens]
-        # all but the last emitted token are accepted drafts, already in the cache
-        cached_tokens = np.concatenate([input_ids, tokens[:-1]]).astype(np.int64)
-        cache.crop(cached_tokens.size - cache.get_seq_length())
-        return EngineResult(tokens, logits[: len(tokens)] if request.return_logits else None), cached_tokens
+        call = engine_semantics.verify(
+            logits, drafts, request.draft_logits, request.max_new_tokens, request.sampling, request.end_id
+        )
+        return self._result(request, input_ids, call, cache)
 
     def _generate(self, request, input_ids, cache):
-        feed = int(input_ids[-1])
-        tokens: list[int] = []
-        rows: list[np.ndarray] = []
-        for step in range(request.max_new_tokens):
-            logits = self._decode([feed], cache)[-1].numpy()
-            token = select_token(logits, request.sampling, input_ids.size + step)
-            tokens.append(token)
-            if request.return_logits:
-                rows.append(logits.copy())
-            if token == request.end_id:
-                break
-            feed = token
-        # the cache holds everything but the last emitted token
-        cached_tokens = np.concatenate([input_ids, tokens[:-1]]).astype(np.int64)
-        logits_out = np.stack(rows) if request.return_logits else None
-        return EngineResult(tokens, logits_out), cached_tokens
+        def step(token: int) -> np.ndarray:
+            return self._decode([token], cache)[-1].numpy()
+
+        call = engine_semantics.generate(
+            step, int(input_ids[-1]), request.max_new_tokens, request.sampling, request.end_id
+        )
+        return self._result(request, input_ids, call, cache)
+
+    def _result(self, request, input_ids, call, cache):
+        """The result, and the tokens whose KV the cache keeps (the cache is cut to them)."""
+        cached_tokens = np.concatenate([input_ids, call.tokens[: call.fed]]).astype(np.int64)
+        cache.crop(cached_tokens.size - cache.get_seq_length())
+        logits = None
+        if request.return_logits:
+            rows = [np.asarray(row, dtype=np.float32) for row in call.logits]
+            logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
+        return EngineResult(call.tokens, logits), cached_tokens

@@ -9,11 +9,15 @@ server process, and are honoured only when *both* are set:
   ``raise`` or ``sleep=<seconds>``, e.g.
   ``draft:raise@seed=9223372036854775809;draft:sleep=6@seed=9223372036854775810``.
 
-A rule fires only for engine requests whose ``random_seed`` is ``n``. The
-coordinator passes a request's ``random_seed`` through to both engines
-unchanged and draws the seed of a request that sets none below 2^63, so
-seeds from 2^63 up (required here) only reach a rule when a client sends one
-on purpose: every other request on the same server is served normally.
+A rule fires for the engine calls of a coordinator request whose
+``random_seed`` is ``n``: the coordinator sends each call a seed derived
+from the request's seed, the call's position and its role
+(``coordinator.sampling.call_seed``), which the injector recomputes from the
+call's input length; an engine request sent directly with seed ``n`` fires
+it too. The coordinator draws the seed of a request that sets none below
+2^63, so seeds from 2^63 up (required here) only reach a rule when a client
+sends one on purpose: every other request on the same server is served
+normally.
 
 Nothing in this repository's launch paths, images or manifests sets these
 variables (tests/test_reliability_config.py checks it); setting
@@ -26,6 +30,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from coordinator.sampling import ROLES, call_seed
 
 FAULTS_VAR = "SPECDEC_FAULT_INJECTION"
 ALLOW_VAR = "SPECDEC_ALLOW_FAULT_INJECTION"
@@ -101,8 +107,18 @@ class FaultInjector:
     def __bool__(self) -> bool:
         return bool(self.rules)
 
-    def apply(self, seed: int) -> None:
+    def rule_for(self, seed: int, position: int) -> FaultRule | None:
+        """The rule of a call with ``seed`` whose first new token is at ``position``."""
         rule = self.rules.get(seed)
+        if rule is not None:
+            return rule
+        for request_seed, rule in self.rules.items():
+            if any(seed == call_seed(request_seed, position, role) for role in ROLES):
+                return rule
+        return None
+
+    def apply(self, seed: int, position: int = 0) -> None:
+        rule = self.rule_for(seed, position)
         if rule is None:
             return
         if rule.action == "sleep":

@@ -66,7 +66,7 @@ class TritonPythonModel:
         try:
             engine_request = _read_request(request)
             if self.faults:
-                self.faults.apply(engine_request.sampling.seed)
+                self.faults.apply(engine_request.sampling.seed, int(engine_request.input_ids.size))
             result = self.engine.run(engine_request)
         except EngineRequestError as error:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: {error}"))
