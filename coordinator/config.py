@@ -11,6 +11,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from coordinator.contract import SEED_INPUT_NAMES
+
 # Hard upper bound of the speculation window accepted anywhere; a TensorRT-LLM
 # target engine must be built with --max_draft_len at least the configured window.
 MAX_SPECULATION_WINDOW = 16
@@ -44,6 +46,9 @@ class CoordinatorSettings:
     # is treated as failed for that request, which goes on with the target
     # alone; 0 waits forever.
     draft_timeout_seconds: float = 10.0
+    # The engines' seed input: random_seed (tensorrtllm backend <= v0.19, the
+    # CPU engine) or seed (newer backends, which ignore an undeclared name).
+    engine_seed_input: str = "random_seed"
 
     def __post_init__(self) -> None:
         if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
@@ -62,6 +67,10 @@ class CoordinatorSettings:
         if not (self.draft_timeout_seconds >= 0.0 and self.draft_timeout_seconds < float("inf")):
             raise SettingsError(
                 f"draft_timeout_seconds must be a finite number >= 0 (0 = no deadline), got {self.draft_timeout_seconds}"
+            )
+        if self.engine_seed_input not in SEED_INPUT_NAMES:
+            raise SettingsError(
+                f"engine_seed_input must be one of {', '.join(SEED_INPUT_NAMES)}, got {self.engine_seed_input!r}"
             )
         if self.max_context_tokens < 2:
             raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")

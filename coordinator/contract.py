@@ -52,6 +52,12 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
     )
 }
 
+# Names the engines' seed input goes by: the tensorrtllm backend reads
+# ``random_seed`` up to v0.19; the backend inside newer TensorRT-LLM releases
+# reads ``seed``. Which one a deployment sends is the coordinator's
+# ``engine_seed_input`` setting; ``ENGINE_INPUTS`` lists the default.
+SEED_INPUT_NAMES = ("random_seed", "seed")
+
 # Outputs the coordinator reads from an engine.
 ENGINE_OUTPUTS: dict[str, TensorSpec] = {
     s.name: s

@@ -32,9 +32,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class BlsEngine:
     """The loop's Engine protocol over a BLS call to a tensorrtllm-contract model."""
 
-    def __init__(self, model_name: str, special: SpecialTokens):
+    def __init__(self, model_name: str, special: SpecialTokens, seed_input: str = "random_seed"):
         self.model_name = model_name
         self.special = special
+        self.seed_input = seed_input
 
     async def generate(
         self,
@@ -54,6 +55,7 @@ class BlsEngine:
             draft_tokens=draft_tokens,
             draft_logits=draft_logits,
             return_logits=return_logits,
+            seed_input=self.seed_input,
         )
         outputs = list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
         request = pb_utils.InferenceRequest(
@@ -96,8 +98,9 @@ class TritonPythonModel:
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.settings = CoordinatorSettings.from_parameters(parameters)
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
-        self.target = BlsEngine(self.settings.target_model_name, self.codec.special)
-        self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special)
+        seed_input = self.settings.engine_seed_input
+        self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input)
+        self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input)
         self.costs = CostModel()  # server-wide engine timings and acceptance
         families: dict[str, object] = {}
         self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec))

@@ -23,6 +23,7 @@ def test_parameters_parse_with_env_expansion_and_overrides():
         ({"speculation_windw": "5"}, "unknown coordinator parameter(s): speculation_windw"),
         ({"adaptive_window": "yes"}, "adaptive_window must be bool"),
         ({"tokenizer_dir": "${NOPE}"}, "needs environment variable NOPE"),
+        ({"engine_seed_input": "random-seed"}, "engine_seed_input must be one of random_seed, seed"),
     ],
 )
 def test_bad_settings_are_refused_with_the_reason(parameters, message):
@@ -39,3 +40,8 @@ def test_adaptive_window_parameter_and_override():
     assert CoordinatorSettings.from_parameters({"adaptive_window": "false"}, {}).adaptive_window is False
     settings = CoordinatorSettings.from_parameters({"adaptive_window": "false"}, {"SPECDEC_ADAPTIVE_WINDOW": "true"})
     assert settings.adaptive_window is True
+
+
+def test_engine_seed_input_follows_the_backend_version():
+    assert CoordinatorSettings.from_parameters({}, {}).engine_seed_input == "random_seed"
+    assert CoordinatorSettings.from_parameters({"engine_seed_input": "seed"}, {}).engine_seed_input == "seed"
