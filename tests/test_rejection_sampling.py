@@ -1,25 +1,30 @@
-"""Speculative rejection sampling is lossless: statistical tests of the whole pipeline.
+"""Speculative sampling is lossless: statistical tests of the whole pipeline.
 
-The pipeline, per round: the draft samples k tokens with
-``select_token(draft_logits, draft_params, position)`` at positions
-first..first+k-1 (stream 0 of the request's seed), the target verifies them
-with ``verify_by_rejection`` and the round's emitted tokens extend the
-context; rounds repeat until enough tokens are out. Draft and target are
-small first-order Markov "models" (the logits for a position depend on the
-previous token), so the target's sampler distribution is known exactly: the
-first emitted token must follow p(. | start) and the first two together
-p(x1 | start) p(x2 | x1), whatever the draft does, for every k. The joint
-exercises the accept-then-next-token path, the bonus token (k = 1) and the
-next round after a rejection.
+The pipeline per round is the production code end to end: the draft engine
+samples k tokens (``engine_semantics.generate``, with its call's seed
+``call_seed(seed, position, "draft")``), the coordinator turns the draft's
+raw logits into log q (``draft_log_probs``: q processed with the draft's own
+sampling settings), and the target engine verifies
+(``engine_semantics.verify``: q = softmax(draft_logits), as TensorRT-LLM's
+ExternalDraftTokensLayer reads them; its own call seed). Rounds repeat until
+enough tokens are out. Draft and target are small first-order Markov
+"models" (the logits of a position depend on the previous token), so the
+target's distribution over the first m emitted tokens is known exactly.
 
-Statistic: Pearson's chi-square goodness of fit of the emitted-token counts
-against the exact target distribution (cells with expected count < 5 pooled;
-any token of probability 0 fails outright), p-value from the exact
-chi-square survival function (closed form for integer degrees of freedom).
-A test rejects when p < ALPHA = 1e-4: the false-alarm rate of each test over
-random seeds. The seeds are fixed (sample i uses seed i), so the tests are
+Two sets of checks:
+
+* breadth (N = 2,000 requests, first two tokens): many target/draft pairs,
+  window sizes and sampling settings;
+* power (N_POWER = 100,000 requests, k = 4, first four tokens, so tokens
+  beyond the second come from inside one verification): each position's
+  marginal and each adjacent pair against the exact distribution. At this N
+  the chi-square check rejects a total-variation error of 0.01 (shown by
+  ``test_the_power_check_detects_a_total_variation_error_of_0_01``), and
+  three subtly wrong verifiers are each rejected (named power tests).
+
+A check rejects when its p-value < ALPHA = 1e-4 (false-alarm rate per check).
+Request seeds are fixed (request i uses seed i), so every test is
 deterministic: a pass stays a pass and the suite is never flaky.
-Power: deliberately wrong verifiers must be rejected by the same statistic.
 """
 
 from __future__ import annotations
@@ -30,70 +35,25 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import coordinator.engine_semantics as engine_semantics
 import coordinator.sampling as sampling
 from coordinator.sampling import (
-    NEVER_LOGIT,
     SamplingParams,
-    draft_logits_for_target,
+    call_rng,
+    call_seed,
+    draft_log_probs,
     inverse_cdf,
-    position_uniform,
     processed_probs,
     select_token,
+    softmax,
     verify_by_rejection,
 )
+from tests.stats import chi2_sf, gof_pvalue, total_variation
 
 ALPHA = 1e-4
 PROMPT = 7  # absolute position of the first generated token
-N = 2000  # samples (seeds 0..N-1) per distribution test
-
-
-# ---------------------------------------------------------------------------
-# statistics (numpy and math only)
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), df a positive integer (exact closed forms)."""
-    if x <= 0.0:
-        return 1.0
-    if df % 2 == 0:  # exp(-x/2) sum_{i < df/2} (x/2)^i / i!
-        term = total = 1.0
-        for i in range(1, df // 2):
-            term *= x / 2 / i
-            total += term
-        return math.exp(-x / 2) * total
-    # 2 Q(sqrt x) + 2 phi(sqrt x) sum_{r=1}^{(df-1)/2} x^{(2r-1)/2} / (1*3*...*(2r-1))
-    root = math.sqrt(x)
-    total = math.erfc(root / math.sqrt(2))
-    term = math.sqrt(2 / math.pi) * math.exp(-x / 2) * root
-    for r in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= x / (2 * r + 1)
-    return total
-
-
-def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness-of-fit p-value of ``counts`` against ``probs`` (same shape)."""
-    counts = np.asarray(counts, dtype=np.float64).reshape(-1)
-    probs = np.asarray(probs, dtype=np.float64).reshape(-1)
-    assert abs(probs.sum() - 1.0) < 1e-9
-    if counts[probs <= 0.0].sum() > 0:  # a token the target can never emit
-        return 0.0
-    n = counts.sum()
-    observed, expected = counts[probs > 0.0], n * probs[probs > 0.0]
-    order = np.argsort(expected)
-    observed, expected = list(observed[order]), list(expected[order])
-    # pool the smallest cells until every cell expects at least 5
-    while len(expected) > 1 and expected[0] < 5.0:
-        smallest_observed, smallest_expected = observed.pop(0), expected.pop(0)
-        observed[0] += smallest_observed
-        expected[0] += smallest_expected
-        resort = np.argsort(expected)
-        observed, expected = [observed[i] for i in resort], [expected[i] for i in resort]
-    if len(expected) < 2:
-        return 1.0  # one possible outcome, and every sample is it
-    observed_a, expected_a = np.array(observed), np.array(expected)
-    stat = float(((observed_a - expected_a) ** 2 / expected_a).sum())
-    return chi2_sf(stat, len(expected) - 1)
+N = 2000  # requests per breadth test
+N_POWER = 100_000  # requests per power test
 
 
 def test_chi2_sf_matches_tabulated_critical_values():
@@ -120,49 +80,45 @@ def test_gof_pvalue_accepts_exact_samples_and_rejects_a_shifted_distribution():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _memoised_sampling_primitives():
-    """Speed only: cache processed_probs (it ignores the seed) and position_uniform.
+def _memoised_probabilities():
+    """Speed only: cache processed_probs (it ignores the seed) and softmax of the
+    Markov models' few rows.
 
     Both are pure, so the cached values are exactly what the real functions
-    return; verify_by_rejection and select_token look them up as module
-    globals and run otherwise unchanged.
+    return; the production functions look them up as module globals and run
+    otherwise unchanged. Random numbers are not cached: every call draws from
+    its own generator as in production.
     """
-    real_probs, real_uniform = sampling.processed_probs, sampling.position_uniform
-    probs_cache: dict = {}
-    uniform_cache: dict = {}
+    real_probs, real_softmax = sampling.processed_probs, sampling.softmax
+    cache: dict = {}
 
-    def cached_probs(logits, params):
+    def cached(kind, compute, logits, *args):
         array = np.asarray(logits)
-        key = (array.tobytes(), array.dtype.str, params.temperature, params.top_k, params.top_p)
-        probs = probs_cache.get(key)
-        if probs is None:
-            probs = real_probs(array, params)
-            probs.flags.writeable = False  # a caller that writes into it would fail loudly
-            probs_cache[key] = probs
-        return probs
-
-    def cached_uniform(seed, position, stream=0):
-        key = (seed, position, stream)
-        value = uniform_cache.get(key)
+        key = (kind, array.tobytes(), array.dtype.str, *args)
+        value = cache.get(key)
         if value is None:
-            value = uniform_cache[key] = real_uniform(seed, position, stream)
+            value = compute(array, *args)
+            value.flags.writeable = False  # a caller that writes into it would fail loudly
+            cache[key] = value
         return value
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sampling, "processed_probs", cached_probs)
-        patch.setattr(sampling, "position_uniform", cached_uniform)
+        patch.setattr(sampling, "processed_probs", lambda logits, params: cached(
+            "p", lambda array, *settings: real_probs(array, SamplingParams(*settings)), logits,
+            params.temperature, params.top_k, params.top_p))
+        patch.setattr(engine_semantics, "softmax", lambda logits: cached("s", real_softmax, logits))
         yield
 
 
 class Model:
     """First-order Markov logits: row ``v`` predicts the token after ``v``; row ``vocab`` the first one."""
 
-    def __init__(self, probs: np.ndarray, zero: float = -np.inf):
+    def __init__(self, probs: np.ndarray):
         probs = np.asarray(probs, dtype=np.float64)
         self.vocab = probs.shape[1]
         assert probs.shape == (self.vocab + 1, self.vocab)
         with np.errstate(divide="ignore"):
-            self.logits = np.where(probs > 0, np.log(probs), zero)
+            self.logits = np.where(probs > 0, np.log(probs), -np.inf)
 
     @property
     def start(self) -> int:
@@ -171,55 +127,66 @@ class Model:
     def probs(self, params: SamplingParams) -> np.ndarray:
         return np.stack([processed_probs(row, params) for row in self.logits])
 
+    def step(self, token: int) -> np.ndarray:
+        return self.logits[token]
+
 
 def speculate(target: Model, draft: Model, params: SamplingParams, k: int, *, n: int = N, tokens: int = 2,
-              draft_params: SamplingParams | None = None, verifier=verify_by_rejection,
-              tell_draft_params: bool = True, transform: bool = False) -> np.ndarray:
-    """The first ``tokens`` emitted tokens for seeds 0..n-1, shape [n, tokens].
-
-    ``tell_draft_params``: pass ``draft_params`` to the verifier; ``transform``:
-    instead send ``draft_logits_for_target`` rows and only the target's params
-    (the TensorRT-LLM contract).
-    """
+              draft_params: SamplingParams | None = None, verify=engine_semantics.verify) -> np.ndarray:
+    """The first ``tokens`` emitted tokens of requests with seeds 0..n-1, shape [n, tokens]."""
     draft_params = draft_params or params
     out = np.empty((n, tokens), dtype=np.int64)
     for seed in range(n):
-        tp, dp = replace(params, seed=seed), replace(draft_params, seed=seed)
         context: list[int] = []
         while len(context) < tokens:
-            first = PROMPT + len(context)
-            prevs = [context[-1] if context else target.start]
-            for i in range(k):
-                prevs.append(select_token(draft.logits[prevs[-1]], dp, first + i))
-            drafts = prevs[1:]
-            draft_rows = draft.logits[prevs[:-1]]
-            if transform:
-                emitted = verifier(target.logits[prevs], draft_logits_for_target(draft_rows, dp, tp), drafts, tp, first)
-            else:
-                told = dp if tell_draft_params else None
-                emitted = verifier(target.logits[prevs], draft_rows, drafts, tp, first, told)
+            position = PROMPT + len(context)
+            last = context[-1] if context else target.start
+            drafted = engine_semantics.generate(
+                draft.step, last, k, replace(draft_params, seed=call_seed(seed, position, "draft")), None
+            )
+            drafts = drafted.tokens
+            log_q = draft_log_probs(np.stack(drafted.logits), draft_params)
+            rows = target.logits[[last, *drafts]]
+            call = verify(rows, drafts, log_q, k + 1, replace(params, seed=call_seed(seed, position, "target")), None)
+            emitted = call.tokens
             assert 1 <= len(emitted) <= k + 1 and list(emitted[:-1]) == drafts[: len(emitted) - 1]
             context += list(emitted)
         out[seed] = context[:tokens]
     return out
 
 
-def first_pvalue(samples: np.ndarray, target: Model, params: SamplingParams) -> float:
-    p = target.probs(params)[target.start]
-    return gof_pvalue(np.bincount(samples[:, 0], minlength=target.vocab), p)
-
-
-def joint_pvalue(samples: np.ndarray, target: Model, params: SamplingParams) -> float:
-    """The first two tokens against p(x1 | start) p(x2 | x1)."""
-    v = target.vocab
+def exact_joint(target: Model, params: SamplingParams, tokens: int) -> np.ndarray:
+    """p(x1 | start) p(x2 | x1) ... as an array of shape [vocab] * tokens."""
     table = target.probs(params)
-    joint = table[target.start][:, None] * table[:v]
-    return gof_pvalue(np.bincount(samples[:, 0] * v + samples[:, 1], minlength=v * v), joint)
+    joint = table[target.start]
+    for _ in range(tokens - 1):
+        joint = np.einsum("...a,ab->...ab", joint, table[: target.vocab])
+    return joint
+
+
+def checks(samples: np.ndarray, target: Model, params: SamplingParams) -> dict[str, tuple[float, float]]:
+    """(p-value, TV) of each position's marginal and each adjacent pair against the exact distribution."""
+    v, m = target.vocab, samples.shape[1]
+    joint = exact_joint(target, params, m)
+    results = {}
+    for i in range(m):
+        exact = joint.sum(axis=tuple(j for j in range(m) if j != i))
+        counts = np.bincount(samples[:, i], minlength=v)
+        results[f"token {i + 1}"] = (gof_pvalue(counts, exact), total_variation(counts, exact))
+    for i in range(m - 1):
+        exact = joint.sum(axis=tuple(j for j in range(m) if j not in (i, i + 1)))
+        counts = np.bincount(samples[:, i] * v + samples[:, i + 1], minlength=v * v)
+        results[f"tokens {i + 1}-{i + 2}"] = (gof_pvalue(counts, exact), total_variation(counts, exact))
+    return results
+
+
+def failed(results: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    return {name: r for name, r in results.items() if r[0] < ALPHA}
 
 
 def assert_lossless(samples, target, params):
-    first, joint = first_pvalue(samples, target, params), joint_pvalue(samples, target, params)
-    assert first >= ALPHA and joint >= ALPHA, f"first-token p={first:.3g}, first-two-tokens p={joint:.3g}"
+    bad = failed(checks(samples, target, params))
+    assert not bad, f"not distributed as the target: {bad}"
 
 
 def dirichlet_rows(rng, vocab: int, supports=None, concentration: float = 0.8) -> np.ndarray:
@@ -243,8 +210,7 @@ def _cases():
         "p_equals_q": (Model(random_target), Model(random_target)),
         "disjoint_supports": (Model(dirichlet_rows(rng, v, lambda r: [0, 1, 2])),
                               Model(dirichlet_rows(rng, v, lambda r: [3, 4]))),
-        # q one-hot (zeros as a very negative finite logit, as engines send them)
-        "one_hot_q": (Model(dirichlet_rows(rng, v)), Model(one_hot_rows(v, lambda r: (2 * r) % v), zero=NEVER_LOGIT)),
+        "one_hot_q": (Model(dirichlet_rows(rng, v)), Model(one_hot_rows(v, lambda r: (2 * r) % v))),
         # q = 0 where p > 0 (and q > 0 where p = 0)
         "q_zero_where_p_positive": (Model(dirichlet_rows(rng, v, lambda r: [1, 2, 3, 4])),
                                     Model(dirichlet_rows(rng, v, lambda r: [0, 1, 2]))),
@@ -267,12 +233,13 @@ def test_first_and_first_two_tokens_follow_the_target(case, k):
 # (target params, draft params or None for the same)
 PARAM_CASES = {
     "temperature_0.6": (SamplingParams(temperature=0.6), None),
+    "temperature_0.7_top_k_3": (SamplingParams(temperature=0.7, top_k=3), None),
     "temperature_1.5_top_k_3": (SamplingParams(temperature=1.5, top_k=3), None),
     "top_p_0.75": (SamplingParams(temperature=1.0, top_p=0.75), None),
     "temperature_0.8_top_k_4_top_p_0.9": (SamplingParams(temperature=0.8, top_k=4, top_p=0.9), None),
     "greedy_temperature_0": (SamplingParams(temperature=0.0), None),
     "greedy_top_k_1": (SamplingParams(temperature=1.3, top_k=1), None),
-    # a separate draft sampling (told to the verifier)
+    # a separate draft sampling: q is what the draft really sampled from
     "draft_temperature_0.6": (SamplingParams(temperature=1.0), SamplingParams(temperature=0.6)),
     "draft_temperature_1.4_same_filters": (SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
                                            SamplingParams(temperature=1.4, top_k=4, top_p=0.9)),
@@ -299,92 +266,117 @@ def test_vocabularies_of_4_and_8():
 
 
 # ---------------------------------------------------------------------------
-# a draft temperature through the TensorRT-LLM contract (target knows only its params)
+# power: N_POWER requests, k = 4, the first four tokens
 
 
-@pytest.mark.parametrize(
-    "params, draft_params",
-    [
-        (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)),
-        (SamplingParams(temperature=0.9, top_k=4, top_p=0.85), SamplingParams(temperature=0.5, top_k=4, top_p=0.85)),
-        (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)),  # log q path
-        (SamplingParams(temperature=1.2), SamplingParams(temperature=0.0)),  # greedy draft
-    ],
-)
-def test_draft_temperature_through_transformed_logits_is_lossless(params, draft_params):
-    samples = speculate(TARGET6, DRAFT6, params, 2, draft_params=draft_params, transform=True)
-    assert_lossless(samples, TARGET6, params)
+POWER_K, POWER_TOKENS = 4, 4
+_rng_power = np.random.default_rng(2024_11_30)
+POWER_TARGET = Model(dirichlet_rows(_rng_power, 4, concentration=1.0))
+POWER_DRAFT = Model(dirichlet_rows(_rng_power, 4, concentration=1.0))
+POWER_PARAMS = {
+    "temperature_1": (SamplingParams(temperature=1.0), None),
+    "temperature_0.7_top_k_3_draft_temperature_1": (SamplingParams(temperature=0.7, top_k=3),
+                                                    SamplingParams(temperature=1.0)),
+}
 
 
-def test_untransformed_logits_with_another_draft_temperature_are_detected():
-    """Power: the engine taking raw draft logits at its own temperature 1.0 while the draft sampled at 0.5."""
-    params, draft_params = SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)
-    samples = speculate(TARGET6, DRAFT6, params, 2, draft_params=draft_params, tell_draft_params=False)
-    assert first_pvalue(samples, TARGET6, params) < ALPHA
+def power_samples(verify=engine_semantics.verify, case="temperature_1"):
+    params, draft_params = POWER_PARAMS[case]
+    samples = speculate(POWER_TARGET, POWER_DRAFT, params, POWER_K, n=N_POWER, tokens=POWER_TOKENS,
+                        draft_params=draft_params, verify=verify)
+    return checks(samples, POWER_TARGET, params)
 
 
-# ---------------------------------------------------------------------------
-# power: wrong verifiers fail the same statistic
+@pytest.mark.parametrize("case", list(POWER_PARAMS))
+def test_the_first_four_tokens_follow_the_target_at_high_power(case):
+    """The correct pipeline passes every check at N_POWER, its TV error within sampling noise."""
+    results = power_samples(case=case)
+    assert not failed(results), results
+    assert max(tv for _, tv in results.values()) < 0.01
 
 
-def always_accept(target_logits, draft_logits, draft_tokens, params, first_position, draft_params=None):
-    n = len(draft_tokens)
-    return [*draft_tokens, select_token(target_logits[n], params, first_position + n)]
+def test_the_power_check_detects_a_total_variation_error_of_0_01():
+    """At N_POWER, moving 0.01 of probability between the two likeliest cells of
+    any checked distribution (a TV error of exactly 0.01) is rejected, for
+    every marginal and every adjacent pair of the power case, in each of 20
+    independent multinomial draws."""
+    params = POWER_PARAMS["temperature_1"][0]
+    m, v = POWER_TOKENS, POWER_TARGET.vocab
+    joint = exact_joint(POWER_TARGET, params, m)
+    exact = [joint.sum(axis=tuple(j for j in range(m) if j != i)) for i in range(m)]
+    exact += [joint.sum(axis=tuple(j for j in range(m) if j not in (i, i + 1))).reshape(-1) for i in range(m - 1)]
+    rng = np.random.default_rng(7)
+    for probs in exact:
+        first, second = np.argsort(-probs)[:2]
+        shifted = probs.copy()
+        shifted[first] -= 0.01
+        shifted[second] += 0.01
+        assert total_variation(shifted, probs) == pytest.approx(0.01)
+        for _ in range(20):
+            counts = rng.multinomial(N_POWER, shifted)
+            assert gof_pvalue(counts, probs) < ALPHA
+    assert v ** 2 == len(exact[-1])
 
 
-def resample_from_p(target_logits, draft_logits, draft_tokens, params, first_position, draft_params=None):
-    """Right acceptance test, but a rejection resamples from p instead of the residual."""
-    draft_params = draft_params or params
+def verify_accepting_5_percent_too_often(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
+    """Wrong: accepts with probability min(1, 1.05 p/q)."""
+    rng = call_rng(params.seed)
+    q_rows = [softmax(row) for row in draft_logits]
     emitted = []
     for i, token in enumerate(draft_tokens):
-        p = processed_probs(target_logits[i], params)
-        q = processed_probs(draft_logits[i], draft_params)
-        if position_uniform(params.seed, first_position + i, 1) * q[token] < p[token]:
-            emitted.append(token)
+        p, q = processed_probs(target_logits[i], params), q_rows[i]
+        if q[token] > 0 and rng.random() * q[token] < 1.05 * p[token]:
+            emitted.append(int(token))
             continue
-        return [*emitted, inverse_cdf(p, position_uniform(params.seed, first_position + i, 2))]
-    n = len(draft_tokens)
-    return [*emitted, select_token(target_logits[n], params, first_position + n)]
+        residual = np.maximum(p - q, 0.0)
+        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
+        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
+    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
+    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
 
 
-def accept_with_draft_uniform(target_logits, draft_logits, draft_tokens, params, first_position, draft_params=None):
-    """Right maths, but the acceptance reuses the uniform the draft sampled with (stream 0)."""
-    real = sampling.position_uniform
-
-    def colliding(seed, position, stream=0):
-        return real(seed, position, 0 if stream == 1 else stream)
-
-    sampling.position_uniform = colliding
-    try:
-        return verify_by_rejection(target_logits, draft_logits, draft_tokens, params, first_position, draft_params)
-    finally:
-        sampling.position_uniform = real
-
-
-def residual_with_draft_uniform(target_logits, draft_logits, draft_tokens, params, first_position, draft_params=None):
-    """Right maths, but the residual sample reuses the uniform the draft sampled with (stream 0)."""
-    real = sampling.position_uniform
-
-    def colliding(seed, position, stream=0):
-        return real(seed, position, 0 if stream == 2 else stream)
-
-    sampling.position_uniform = colliding
-    try:
-        return verify_by_rejection(target_logits, draft_logits, draft_tokens, params, first_position, draft_params)
-    finally:
-        sampling.position_uniform = real
+def verify_with_one_uniform_per_round(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
+    """Wrong: one acceptance uniform for the whole round (as when every call of
+    a request re-seeds the same stream)."""
+    rng = call_rng(params.seed)
+    q_rows = [softmax(row) for row in draft_logits]
+    u = rng.random()
+    emitted = []
+    for i, token in enumerate(draft_tokens):
+        p, q = processed_probs(target_logits[i], params), q_rows[i]
+        if q[token] > 0 and u * q[token] < p[token]:
+            emitted.append(int(token))
+            continue
+        residual = np.maximum(p - q, 0.0)
+        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
+        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
+    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
+    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
 
 
-POWER_CASE = CASES["random"]
+def verify_with_residual_p_minus_0_9_q(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
+    """Wrong: the correction is sampled from max(p - 0.9 q, 0)."""
+    rng = call_rng(params.seed)
+    q_rows = [softmax(row) for row in draft_logits]
+    emitted = []
+    for i, token in enumerate(draft_tokens):
+        p, q = processed_probs(target_logits[i], params), q_rows[i]
+        if q[token] > 0 and rng.random() * q[token] < p[token]:
+            emitted.append(int(token))
+            continue
+        residual = np.maximum(p - 0.9 * q, 0.0)
+        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
+        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
+    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
+    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
 
 
-@pytest.mark.parametrize(
-    "wrong", [always_accept, resample_from_p, accept_with_draft_uniform, residual_with_draft_uniform]
-)
-def test_wrong_verifiers_are_rejected(wrong):
-    target, draft = POWER_CASE
-    samples = speculate(target, draft, SAMPLED, 2, verifier=wrong)
-    assert min(first_pvalue(samples, target, SAMPLED), joint_pvalue(samples, target, SAMPLED)) < ALPHA
+@pytest.mark.parametrize("wrong", [verify_accepting_5_percent_too_often, verify_with_one_uniform_per_round,
+                                   verify_with_residual_p_minus_0_9_q])
+def test_power_a_subtly_wrong_verifier_is_rejected(wrong):
+    """Each of these biased verifiers passes casual testing; the power check must reject it."""
+    results = power_samples(verify=wrong)
+    assert failed(results), f"{wrong.__name__} was not detected: {results}"
 
 
 # ---------------------------------------------------------------------------
@@ -395,12 +387,14 @@ def _one_round(target, draft, params, k, n):
     """(draft tokens, emitted tokens) of the first round for seeds 0..n-1."""
     rounds = []
     for seed in range(n):
-        tp = replace(params, seed=seed)
-        prevs = [target.start]
-        for i in range(k):
-            prevs.append(select_token(draft.logits[prevs[-1]], tp, PROMPT + i))
-        drafts = prevs[1:]
-        rounds.append((drafts, verify_by_rejection(target.logits[prevs], draft.logits[prevs[:-1]], drafts, tp, PROMPT)))
+        drafted = engine_semantics.generate(
+            draft.step, target.start, k, replace(params, seed=call_seed(seed, PROMPT, "draft")), None
+        )
+        rows = target.logits[[target.start, *drafted.tokens]]
+        log_q = draft_log_probs(np.stack(drafted.logits), params)
+        call = engine_semantics.verify(rows, drafted.tokens, log_q, k + 1,
+                                       replace(params, seed=call_seed(seed, PROMPT, "target")), None)
+        rounds.append((drafted.tokens, call.tokens))
     return rounds
 
 
@@ -429,69 +423,38 @@ def test_acceptance_rate_is_one_minus_total_variation(case):
 
 
 # ---------------------------------------------------------------------------
-# draft_logits_for_target
-
-
-def _random_logits(rng, k, vocab):
-    logits = rng.normal(0.0, 3.0, size=(k, vocab)).astype(np.float32)
-    logits[0, 1] = -np.inf
-    logits[1, :2] = NEVER_LOGIT
-    return logits
+# what the coordinator sends: log q, read back by a plain softmax
 
 
 @pytest.mark.parametrize(
-    "draft_params, target_params",
+    "draft_params",
     [
-        (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)),
-        (SamplingParams(temperature=1.6, top_k=5), SamplingParams(temperature=0.4, top_k=5)),
-        (SamplingParams(temperature=0.3, top_k=6, top_p=0.8), SamplingParams(temperature=2.0, top_k=6, top_p=0.8)),
-        (SamplingParams(temperature=0.05, top_p=0.95), SamplingParams(temperature=0.01, top_p=0.95)),
-        (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0)),  # other filters: log q
-        (SamplingParams(temperature=0.7, top_p=0.6), SamplingParams(temperature=0.5, top_k=8)),
-        (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=2, top_p=0.5)),  # greedy draft
-        (SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1e-3)),  # greedy draft (top-k 1)
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.6, top_k=5),
+        SamplingParams(temperature=0.3, top_k=6, top_p=0.8),
+        SamplingParams(temperature=0.05, top_p=0.95),
+        SamplingParams(temperature=0.0),  # greedy draft: one-hot q
+        SamplingParams(temperature=2.0, top_k=1),
     ],
 )
-def test_draft_logits_for_target_reproduces_the_draft_distribution(draft_params, target_params):
+def test_a_plain_softmax_of_the_sent_log_probs_is_the_drafts_distribution(draft_params):
+    """TensorRT-LLM's ExternalDraftTokensLayer applies no temperature or filter to
+    draft_logits: softmax(what the coordinator sends) must be q itself."""
     rng = np.random.default_rng(3)
-    for vocab in (4, 8, 50):
-        logits = _random_logits(rng, 4, vocab)
-        sent = draft_logits_for_target(logits, draft_params, target_params)
-        assert sent.dtype == np.float32 and sent.shape == logits.shape and np.isfinite(sent).all()
+    for vocab in (4, 8, 50, 151_936):
+        logits = rng.normal(0.0, 3.0, size=(3, vocab)).astype(np.float32)
+        logits[0, 1] = -np.inf
+        sent = draft_log_probs(logits, draft_params)
+        assert sent.dtype == np.float32 and sent.shape == logits.shape
         for row, draft_row in zip(sent, logits):
-            expected = processed_probs(draft_row, draft_params)
-            assert np.allclose(processed_probs(row, target_params), expected, atol=1e-6, rtol=0)
+            q = processed_probs(draft_row, draft_params)
+            assert np.all(np.isneginf(row[q == 0.0])) and np.isfinite(row[q > 0.0]).all()
+            assert np.allclose(softmax(row), q, atol=1e-6, rtol=0)
 
 
-def test_draft_logits_for_target_same_params_keep_the_distribution():
-    logits = _random_logits(np.random.default_rng(4), 3, 10)
-    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
-    sent = draft_logits_for_target(logits, params, params)
-    for row, draft_row in zip(sent, logits):
-        assert np.allclose(processed_probs(row, params), processed_probs(draft_row, params), atol=1e-7, rtol=0)
-
-
-def test_draft_logits_for_target_greedy_draft_is_one_hot():
-    logits = np.array([[0.5, 2.0, -1.0, 2.0]], dtype=np.float32)
-    sent = draft_logits_for_target(logits, SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
-    never = np.float32(NEVER_LOGIT)
-    assert sent.dtype == np.float32 and sent.tolist() == [[never, 0.0, never, never]]  # the first maximum
-
-
-def test_draft_logits_for_target_rejects_what_the_target_cannot_reproduce():
-    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]]))
-    with pytest.raises(ValueError, match="token matching"):  # the target's top-k cuts q's support
-        draft_logits_for_target(logits, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2))
-    with pytest.raises(ValueError, match="token matching"):  # its top-p on q would cut q again
-        draft_logits_for_target(logits, SamplingParams(temperature=0.5, top_k=3),
-                                SamplingParams(temperature=1.0, top_p=0.8))
-
-
-def test_draft_logits_for_target_greedy_target_passes_rows_through_finite():
-    logits = np.array([[0.5, -np.inf, np.nan, 2.0]])
-    sent = draft_logits_for_target(logits, SamplingParams(temperature=0.7), SamplingParams(temperature=0.0))
-    assert sent.dtype == np.float32 and np.isfinite(sent).all() and sent[0, 3] == 2.0
-    assert sent[0, 1] == sent[0, 2] == np.float32(NEVER_LOGIT)
+def test_draft_log_probs_refuses_a_wrong_shape():
+    with pytest.raises(ValueError, match=r"\[k, vocab\]"):
+        draft_log_probs(np.zeros(5), SAMPLED)
 
 
 # ---------------------------------------------------------------------------
@@ -501,16 +464,18 @@ def test_draft_logits_for_target_greedy_target_passes_rows_through_finite():
 def test_processed_probs_of_all_minus_inf_is_uniform_not_nan():
     probs = processed_probs(np.full(4, -np.inf), SamplingParams(temperature=0.7, top_k=2))
     assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0)
+    assert np.isfinite(softmax(np.full(4, -np.inf))).all()
 
 
 def test_processed_probs_plus_inf_takes_all_the_mass():
     assert processed_probs(np.array([0.0, np.inf, 1.0, np.inf]), SAMPLED).tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert softmax(np.array([0.0, np.inf, 1.0, np.inf])).tolist() == [0.0, 0.5, 0.0, 0.5]
 
 
 def test_processed_probs_very_negative_logits_and_tiny_temperatures():
     params = SamplingParams(temperature=1e-300)
     assert processed_probs(np.array([3e38, 0.0, -3e38]), params).tolist() == [1.0, 0.0, 0.0]
-    probs = processed_probs(np.array([NEVER_LOGIT, 0.0, -np.inf, np.finfo(np.float32).min], np.float32),
+    probs = processed_probs(np.array([-1e30, 0.0, -np.inf, np.finfo(np.float32).min], np.float32),
                             SamplingParams(temperature=1e-3, top_k=3))
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
     huge = 2.0**100  # the two finite logits differ by exactly the temperature
@@ -520,18 +485,17 @@ def test_processed_probs_very_negative_logits_and_tiny_temperatures():
 
 def test_nan_logits_are_never_selected():
     logits = np.array([0.0, np.nan, 1.0])
-    assert select_token(logits, SamplingParams(), 0) == 2
+    assert select_token(logits, SamplingParams(), call_rng(0)) == 2
     assert processed_probs(logits, SAMPLED)[1] == 0.0
     assert processed_probs(logits, SamplingParams())[2] == 1.0
 
 
-def test_verify_by_rejection_with_minus_inf_rows_emits_only_possible_tokens():
+def test_verify_by_rejection_with_zero_probability_rows_emits_only_possible_tokens():
     with np.errstate(divide="ignore"):
         target = np.log(np.array([[0.5, 0.5, 0.0], [0.3, 0.3, 0.4]]))
-    draft_rows = (np.full(3, -np.inf), np.array([-np.inf, -np.inf, 0.0]), np.array([NEVER_LOGIT, 0.0, NEVER_LOGIT]))
-    for draft_row in draft_rows:
+    for q in (np.full(3, 1 / 3), np.array([0.0, 0.0, 1.0])):
         for seed in range(50):
-            emitted = verify_by_rejection(target, draft_row[None], [2], SamplingParams(temperature=1.0, seed=seed), 0)
+            emitted = verify_by_rejection(target, q[None], [2], SamplingParams(temperature=1.0), call_rng(seed))
             assert emitted[0] in (0, 1)
 
 

@@ -20,7 +20,10 @@ def write_tokenizer(directory: Path, words=WORDS, eos="<eos>", pad="<pad>", voca
     return directory
 
 
-def write_tiny_qwen2(directory: Path, vocab_size: int = 64, seed: int = 0) -> Path:
+def write_tiny_qwen2(directory: Path, vocab_size: int = 64, seed: int = 0, logit_scale: float = 1.0) -> Path:
+    """A random 2-layer Qwen2. ``logit_scale`` multiplies the output layer: a
+    freshly initialised model predicts nearly uniform tokens, a scaled one has
+    peaked, context-dependent distributions like a trained model's."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -29,5 +32,9 @@ def write_tiny_qwen2(directory: Path, vocab_size: int = 64, seed: int = 0) -> Pa
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )
-    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    model = Qwen2ForCausalLM(config)
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    model.save_pretrained(str(directory))
     return directory

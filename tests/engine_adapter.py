@@ -1,0 +1,25 @@
+"""The loop's Engine protocol over an in-process CPU engine (no Triton), for
+tests that run the real coordinator loop on real (tiny) models."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+from coordinator.loop import EngineOutput
+from coordinator.sampling import SamplingParams
+
+
+class LocalEngine:
+    def __init__(self, engine: CausalLMEngine, end_id: int | None = None):
+        self.engine = engine
+        self.end_id = end_id
+
+    async def generate(self, input_ids, max_new_tokens, sampling: SamplingParams, draft_tokens=(),
+                       draft_logits=None, return_logits=False):
+        result = self.engine.run(EngineRequest(
+            np.asarray(input_ids, dtype=np.int32), max_new_tokens, sampling=sampling, end_id=self.end_id,
+            draft_tokens=np.asarray(draft_tokens, dtype=np.int32) if len(draft_tokens) else None,
+            draft_logits=draft_logits, return_logits=return_logits,
+        ))
+        return EngineOutput(result.tokens, result.logits)
