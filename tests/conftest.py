@@ -89,6 +89,15 @@ def running_server(options, log_path: Path):
 
 
 @pytest.fixture(scope="session")
+def real_target_dir() -> Path:
+    """The real target model's directory, where the server keeps it (SPECDEC_CACHE_DIR,
+    else ~/.cache/specdec), prepared there if it is not yet: never a skip."""
+    from coordinator.serving.assets import DEFAULT_TARGET, default_cache_dir, prepare_model
+
+    return prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
+
+
+@pytest.fixture(scope="session")
 def triton_server(tmp_path_factory) -> ServerAddress:
     # Point the tests at an already running server (e.g. `make serve`) to iterate quickly.
     external = os.environ.get("SPECDEC_TEST_SERVER")

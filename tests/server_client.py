@@ -3,6 +3,7 @@ they need, shared by the real-server test modules."""
 
 from __future__ import annotations
 
+import threading
 import urllib.error
 import urllib.request
 
@@ -32,6 +33,29 @@ def complete(server, prompt, max_tokens: int, timeout: float = 300.0, **kwargs) 
     """One streamed completion from the coordinator (``kwargs``: build_inputs' options)."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         return stream_completion(client, build_inputs(prompt, max_tokens, **kwargs), timeout=timeout)
+
+
+def concurrently(server, jobs, timeout: float = 600.0) -> list[Completion]:
+    """One completion per (prompt, build_inputs options) job, all streams at once;
+    any failure is re-raised."""
+    results: list = [None] * len(jobs)
+    failures: list[BaseException] = []
+
+    def run(i):
+        prompt, kwargs = jobs[i]
+        try:
+            results[i] = complete(server, prompt, **kwargs)
+        except BaseException as error:  # re-raised below
+            failures.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if failures:
+        raise failures[0]
+    return results
 
 
 def grpc_error(server, inputs, timeout: float = 60.0) -> str:

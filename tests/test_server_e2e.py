@@ -5,14 +5,13 @@ Prompts are real HumanEval problems from the development range (0-99)."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import numpy as np
 import pytest
 
 from coordinator.client import build_inputs
-from tests.server_client import complete, grpc_error, humaneval_prompts, metric, metrics_text, tensor
+from tests.server_client import complete, concurrently, grpc_error, humaneval_prompts, metric, metrics_text, tensor
 
 pytestmark = pytest.mark.slow
 
@@ -67,18 +66,22 @@ def test_separate_draft_temperature_is_served(triton_server):
 
 def test_concurrent_streams_give_the_same_outputs_as_one_at_a_time(triton_server):
     prompts = humaneval_prompts(0, 4, 7)
-    alone = [complete(triton_server, p, max_tokens=16).text for p in prompts]
-    together: list[str | None] = [None] * len(prompts)
+    kwargs = dict(max_tokens=16, speculation_window=4, adaptive_window=False)
+    alone = [complete(triton_server, p, **kwargs) for p in prompts]
+    together = concurrently(triton_server, [(p, kwargs) for p in prompts])
+    assert [c.text for c in together] == [c.text for c in alone]
+    assert all(c.draft_tokens > 0 for c in alone + together), "every stream must have speculated"
 
-    def run(i):
-        together[i] = complete(triton_server, prompts[i], max_tokens=16).text
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert together == alone
+def test_concurrent_seeded_sampled_streams_repeat_their_texts(triton_server):
+    """Every engine call has its own seed, so a seeded sampled request gives the
+    same text whatever runs beside it."""
+    jobs = [(p, dict(max_tokens=16, temperature=0.8, top_k=40, seed=100 + i, speculation_window=3,
+                     adaptive_window=False)) for i, p in enumerate(humaneval_prompts(1, 5, 8))]
+    alone = [complete(triton_server, prompt, **kwargs) for prompt, kwargs in jobs]
+    together = concurrently(triton_server, jobs)
+    assert [c.text for c in together] == [c.text for c in alone]
+    assert all(c.draft_tokens > 0 and c.completion_tokens == 16 for c in alone + together)
 
 
 def test_http_generate_endpoint(triton_server):
