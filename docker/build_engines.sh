@@ -21,10 +21,15 @@
 # first speculative request, tensorrtllm_backend#473):
 #   target: --speculative_decoding_mode draft_tokens_external and --max_draft_len
 #           >= the coordinator's speculation_window (read from the model repository),
+#           --gather_generation_logits (draft-target runs can hang without it),
 #           --use_paged_context_fmha enable (KV-cache reuse between rounds);
 #   draft:  --gather_generation_logits (its probabilities make lossless sampling
-#           possible), --use_paged_context_fmha enable.
-# --dry-run prints every command instead of running it (no GPU needed).
+#           possible), --use_paged_context_fmha enable;
+#   both:   --logits_dtype float32 (the configs declare FP32 logits), and a tensor
+#           parallel size that divides the model's attention and KV head counts
+#           (read from each checkpoint's config.json; refused before converting).
+# --dry-run prints every command instead of running it (no GPU needed); it still
+# reads the checkpoints' config.json and refuses what a real build would.
 set -euo pipefail
 
 # ---- defaults (every one can also be given as a flag; see usage) ----------
@@ -55,7 +60,8 @@ TP_SIZE="${TP_SIZE:-1}"
 DRAFT_TP_SIZE="${DRAFT_TP_SIZE:-1}"
 # Directory name of the model family in TensorRT-LLM's examples (qwen, llama, ...).
 MODEL_FAMILY="${MODEL_FAMILY:-qwen}"
-# The TensorRT-LLM release inside the pinned serving image (docker/VERSIONS.md).
+# The TensorRT-LLM release inside the pinned serving image (docker/VERSIONS.md);
+# post-releases and local builds of it (0.17.0.post1, 0.17.0+local) are accepted.
 TRTLLM_VERSION="${TRTLLM_VERSION:-0.17.0}"
 # A checkout of TensorRT-LLM at that release; cloned into the work dir if unset.
 TRTLLM_EXAMPLES_DIR="${TRTLLM_EXAMPLES_DIR:-}"
@@ -64,10 +70,6 @@ MODEL_REPOSITORY="${MODEL_REPOSITORY:-}"
 # FP8 calibration data (a local dataset directory); default: quantize.py's own.
 CALIB_DATASET="${CALIB_DATASET:-}"
 CALIB_SIZE="${CALIB_SIZE:-512}"
-# Also gather generation logits in the target engine, so the coordinator may ask
-# the target for generation_logits (return_generation_logits is part of the
-# engine contract). Costs one logits buffer; set 0 to skip.
-TARGET_GATHER_LOGITS="${TARGET_GATHER_LOGITS:-1}"
 WORK_DIR="${WORK_DIR:-}"
 KEEP_CHECKPOINTS="${KEEP_CHECKPOINTS:-0}"
 DRY_RUN="${DRY_RUN:-0}"
@@ -98,7 +100,6 @@ usage: $(basename "$0") --target-hf DIR --draft-hf DIR --output DIR [options]
   --examples-dir DIR      TensorRT-LLM checkout (v${TRTLLM_VERSION}); cloned if absent
   --model-repository DIR  model repository to check speculation_window against
   --calib-dataset DIR     FP8 calibration dataset (local)
-  --no-target-logits      do not gather generation logits in the target
   --work-dir DIR          scratch space for converted checkpoints
   --keep-checkpoints      keep the converted checkpoints
   --dry-run               print the commands, run nothing
@@ -113,6 +114,14 @@ die() {
 log() {
     echo "build_engines: $*" >&2
 }
+
+# The TensorRT-LLM release rule (trtllm_release), shared with the entrypoint; it
+# sits next to this script, here and in the image (/opt/specdec/docker/).
+TRTLLM_RELEASE_LIB="$(dirname "${BASH_SOURCE[0]}")/trtllm-release.sh"
+[ -f "${TRTLLM_RELEASE_LIB}" ] \
+    || die "${TRTLLM_RELEASE_LIB} is missing: docker/trtllm-release.sh must be next to this script"
+# shellcheck source=trtllm-release.sh source-path=SCRIPTDIR
+source "${TRTLLM_RELEASE_LIB}"
 
 # Runs a command, or prints it (shell-quoted) with --dry-run.
 run() {
@@ -150,7 +159,8 @@ while [ "$#" -gt 0 ]; do
         --examples-dir) require_value "$@"; TRTLLM_EXAMPLES_DIR="$2"; shift 2 ;;
         --model-repository) require_value "$@"; MODEL_REPOSITORY="$2"; shift 2 ;;
         --calib-dataset) require_value "$@"; CALIB_DATASET="$2"; shift 2 ;;
-        --no-target-logits) TARGET_GATHER_LOGITS=0; shift ;;
+        --no-target-logits)
+            die "--no-target-logits is not supported: the target always gathers generation logits, because draft-target speculative decoding in TensorRT-LLM can hang when the target engine does not" ;;
         --work-dir) require_value "$@"; WORK_DIR="$2"; shift 2 ;;
         --keep-checkpoints) KEEP_CHECKPOINTS=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
@@ -199,6 +209,52 @@ fi
 [ "${MAX_NUM_TOKENS}" -ge "${MAX_INPUT_LEN}" ] \
     || die "--max-num-tokens (${MAX_NUM_TOKENS}) must be >= --max-input-len (${MAX_INPUT_LEN}) (no chunked context)"
 
+# Tensor parallelism gives each GPU whole attention heads and whole KV heads, so
+# the TP size must divide both counts of the model (Qwen2.5-Coder-0.5B: 14 and 2;
+# 1.5B: 12 and 2). Refused here, before anything is converted and with --dry-run
+# too, instead of deep inside the conversion.
+
+# Prints "<num_attention_heads> <num_key_value_heads>" of a Hugging Face
+# config.json (no num_key_value_heads: one KV head per attention head, as in
+# transformers), or nothing when it has no num_attention_heads.
+attention_heads() {
+    python3 - "$1" <<'PY'
+import json
+import sys
+
+with open(sys.argv[1], encoding="utf-8") as f:
+    config = json.load(f)
+heads = config.get("num_attention_heads")
+if heads is None:
+    sys.exit(0)
+kv_heads = config.get("num_key_value_heads") or heads
+for value in (heads, kv_heads):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        sys.exit(f"num_attention_heads {heads!r} / num_key_value_heads {kv_heads!r} are not positive integers")
+print(heads, kv_heads)
+PY
+}
+
+# Usage: check_tp_split <role> <hf dir> <tp size> <option>
+check_tp_split() {
+    local role="$1" hf="$2" tp="$3" option="$4" counts heads kv_heads
+    command -v python3 >/dev/null 2>&1 || die "python3 is needed to read ${hf}/config.json"
+    counts="$(attention_heads "${hf}/config.json")" \
+        || die "cannot read the attention head counts of the ${role} from ${hf}/config.json"
+    if [ -z "${counts}" ]; then
+        log "warning: no num_attention_heads in ${hf}/config.json; ${option} not checked against the ${role}'s heads"
+        return 0
+    fi
+    read -r heads kv_heads <<<"${counts}"
+    if [ $((heads % tp)) -ne 0 ] || [ $((kv_heads % tp)) -ne 0 ]; then
+        die "${option} ${tp} does not divide the attention heads of the ${role} model ${hf}" \
+            "(num_attention_heads ${heads}, num_key_value_heads ${kv_heads}): every GPU must hold whole heads;" \
+            "use a tensor-parallel size that divides both"
+    fi
+}
+check_tp_split target "${TARGET_HF}" "${TP_SIZE}" --tp-size
+check_tp_split draft "${DRAFT_HF}" "${DRAFT_TP_SIZE}" --draft-tp-size
+
 # The coordinator's server-wide settings must fit the engines: a window above the
 # target's max_draft_len, or a context above max_input_len, fails at request time.
 # Reads `parameters { key: "<name>" value { string_value: "<n>" } }` blocks.
@@ -242,13 +298,27 @@ else
 fi
 
 # ---- environment: the TensorRT-LLM that will serve these engines ----------------
+# trtllm_release comes from docker/trtllm-release.sh (sourced above).
+# Usage: check_trtllm_version <installed version> <pinned version>
+check_trtllm_version() {
+    local installed="$1" pinned="$2" release
+    release="$(trtllm_release "${pinned}")" \
+        || die "TRTLLM_VERSION '${pinned}' is not a release version (like 0.17.0)"
+    if [ "$(trtllm_release "${installed}" || true)" != "${release}" ]; then
+        die "tensorrt_llm ${installed} is installed, but the serving image has TensorRT-LLM ${pinned}" \
+            "(post-releases and local builds of it, like ${pinned}.post1 or ${pinned}+local, are accepted;" \
+            "other releases and pre-releases are not): an engine loads only in the release that built it." \
+            "Run this inside the serving image (or set TRTLLM_VERSION to override)"
+    fi
+}
+
+BUILT_WITH="${TRTLLM_VERSION}"
 if [ "${DRY_RUN}" != "1" ]; then
     command -v trtllm-build >/dev/null 2>&1 || die "trtllm-build not found: run this inside the serving image"
     installed="$(python3 -c 'from importlib.metadata import version; print(version("tensorrt_llm"))')" \
         || die "the tensorrt_llm Python package is not installed"
-    if [ "${installed}" != "${TRTLLM_VERSION}" ]; then
-        die "tensorrt_llm ${installed} is installed but the serving image has ${TRTLLM_VERSION}; engines only load in the version that built them (set TRTLLM_VERSION to override)"
-    fi
+    check_trtllm_version "${installed}" "${TRTLLM_VERSION}"
+    BUILT_WITH="${installed}"
     if [ "${DTYPE}" = "fp8" ] || [ "${DRAFT_DTYPE}" = "fp8" ]; then
         capability="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' ')"
         case "${capability}" in
@@ -372,10 +442,15 @@ convert() {
     fi
 }
 
-# Flags shared by both engines.
+# Flags shared by both engines. Logits stay float32 whatever the engine's dtype:
+# the target and draft configs declare generation_logits and draft_logits as
+# TYPE_FP32, and the tensorrtllm backend checks the engine's logits dtype against
+# the config (model_instance_state.cc), so a float16 or bfloat16 logits engine
+# would fail at request time.
 common_build_flags() {
     local dtype="$1" tp="$2"
     printf '%s\n' \
+        --logits_dtype float32 \
         --gemm_plugin auto \
         --remove_input_padding enable \
         --paged_kv_cache enable \
@@ -400,16 +475,17 @@ convert "${TARGET_HF}" "${TARGET_CKPT}" "${DTYPE}" "${TP_SIZE}"
 log "converting the draft (${DRAFT_DTYPE}, weight-only ${DRAFT_WEIGHT_ONLY}, tp ${DRAFT_TP_SIZE})"
 convert "${DRAFT_HF}" "${DRAFT_CKPT}" "${DRAFT_DTYPE}" "${DRAFT_TP_SIZE}" "${DRAFT_WEIGHT_ONLY}"
 
+# The target gathers generation logits too: the coordinator may ask for them
+# (return_generation_logits is part of the engine contract), and draft-target
+# speculative decoding in TensorRT-LLM can hang when the target does not.
 mapfile -t target_flags < <(common_build_flags "${DTYPE}" "${TP_SIZE}")
-if [ "${TARGET_GATHER_LOGITS}" = "1" ]; then
-    target_flags+=(--gather_generation_logits)
-fi
 log "building the target engine (max_draft_len ${MAX_DRAFT_LEN})"
 run trtllm-build \
     --checkpoint_dir "${TARGET_CKPT}" \
     --output_dir "${OUTPUT_DIR}/target" \
     --speculative_decoding_mode draft_tokens_external \
     --max_draft_len "${MAX_DRAFT_LEN}" \
+    --gather_generation_logits \
     "${target_flags[@]}"
 
 mapfile -t draft_flags < <(common_build_flags "${DRAFT_DTYPE}" "${DRAFT_TP_SIZE}")
@@ -421,7 +497,7 @@ run trtllm-build \
     "${draft_flags[@]}"
 
 # ---- check what was built, and record it ------------------------------------------
-run python3 - "${OUTPUT_DIR}" "${MAX_DRAFT_LEN}" "${TRTLLM_VERSION}" "${DTYPE}" "${DRAFT_DTYPE}" "${TP_SIZE}" "${DRAFT_TP_SIZE}" \
+run python3 - "${OUTPUT_DIR}" "${MAX_DRAFT_LEN}" "${BUILT_WITH}" "${DTYPE}" "${DRAFT_DTYPE}" "${TP_SIZE}" "${DRAFT_TP_SIZE}" \
     "${DRAFT_WEIGHT_ONLY}" <<'PY'
 import json
 import sys
@@ -453,8 +529,10 @@ if (find(target, "max_draft_len") or 0) < max_draft_len:
 for name, cfg in (("target", target), ("draft", draft)):
     if find(cfg, "use_paged_context_fmha") is False:
         problems.append(f"{name} engine has no paged context FMHA (KV-cache reuse)")
-if find(draft, "gather_generation_logits") is False:
-    problems.append("draft engine does not gather generation logits")
+    if find(cfg, "gather_generation_logits") is False:
+        problems.append(f"{name} engine does not gather generation logits")
+    if find(cfg, "logits_dtype") not in (None, "float32"):
+        problems.append(f"{name} engine has {find(cfg, 'logits_dtype')} logits, the configs declare float32")
 if problems:
     sys.exit("engine check failed: " + "; ".join(problems))
 

@@ -16,6 +16,14 @@ die() {
     exit 1
 }
 
+# The TensorRT-LLM release rule (trtllm_release), shared with build_engines.sh;
+# it sits next to this script in the image (/opt/specdec/docker/).
+TRTLLM_RELEASE_LIB="$(dirname "${BASH_SOURCE[0]}")/trtllm-release.sh"
+[ -f "${TRTLLM_RELEASE_LIB}" ] \
+    || die "${TRTLLM_RELEASE_LIB} is missing: docker/trtllm-release.sh must be next to this script"
+# shellcheck source=trtllm-release.sh source-path=SCRIPTDIR
+source "${TRTLLM_RELEASE_LIB}"
+
 # The tensorrtllm configs point at /opt/specdec/engines/{target,draft}.
 if [ "${ENGINE_DIR}" != "/opt/specdec/engines" ]; then
     die "engines must be mounted at /opt/specdec/engines (the path in configs/trtllm.pbtxt)"
@@ -29,12 +37,26 @@ for file in tokenizer.json special_tokens.json; do
         || die "no ${file} in ${SPECDEC_TOKENIZER_DIR} (written by docker/build_engines.sh)"
 done
 
-# Engines load only in the TensorRT-LLM version that built them.
+# Engines load only in the TensorRT-LLM release that built them; a post-release
+# or local build of that release (0.17.0.post1, 0.17.0+local) counts as the same.
+# Usage: check_engine_release <build-info.json>
+check_engine_release() {
+    local built installed release
+    built="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["tensorrt_llm_version"])' "$1")" \
+        || die "cannot read tensorrt_llm_version from $1"
+    installed="$(python3 -c 'from importlib.metadata import version; print(version("tensorrt_llm"))')" \
+        || die "the tensorrt_llm Python package is not installed"
+    release="$(trtllm_release "${built}")" \
+        || die "$1 names TensorRT-LLM '${built}', which is not a release version: rebuild the engines"
+    if [ "$(trtllm_release "${installed}" || true)" != "${release}" ]; then
+        die "engines were built with TensorRT-LLM ${built}, this image has ${installed}, a different release" \
+            "(an engine loads only in the release that built it; post-releases and local builds of that release" \
+            "are accepted): rebuild them with docker/build_engines.sh inside this image"
+    fi
+}
+
 if [ -f "${ENGINE_DIR}/build-info.json" ]; then
-    built="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["tensorrt_llm_version"])' "${ENGINE_DIR}/build-info.json")"
-    installed="$(python3 -c 'from importlib.metadata import version; print(version("tensorrt_llm"))')"
-    [ "${built}" = "${installed}" ] \
-        || die "engines were built with TensorRT-LLM ${built}, this image has ${installed}: rebuild them"
+    check_engine_release "${ENGINE_DIR}/build-info.json"
 fi
 
 # Triton's admin APIs answer only requests carrying the header

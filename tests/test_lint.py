@@ -62,7 +62,10 @@ def tool(name: str, hint: str) -> str:
 
 def test_there_is_something_to_lint():
     names = {p.relative_to(ROOT).as_posix() for p in DOCKERFILES + SHELL_SCRIPTS}
-    assert {"docker/Dockerfile.trtllm", "docker/Dockerfile.cpu", "docker/build_engines.sh"} <= names
+    assert {
+        "docker/Dockerfile.trtllm", "docker/Dockerfile.cpu", "docker/build_engines.sh",
+        "docker/trtllm-entrypoint.sh", "docker/trtllm-release.sh",
+    } <= names
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=[p.relative_to(ROOT).as_posix() for p in DOCKERFILES])
