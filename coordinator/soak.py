@@ -70,11 +70,15 @@ def listening_pid(port: int, proc: Path = Path("/proc")) -> int | None:
         if not entry.name.isdigit():
             continue
         try:
-            for fd in (entry / "fd").iterdir():
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
                 if os.readlink(fd) in targets:
                     return int(entry.name)
-        except OSError:
-            continue
+            except OSError:  # closed since the listing: look at the process's other descriptors
+                continue
     return None
 
 

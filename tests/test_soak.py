@@ -32,6 +32,21 @@ def test_finds_the_process_listening_on_a_port_and_its_children():
     assert soak.process_memory(child.pid) is None
 
 
+def test_a_descriptor_closed_while_listing_does_not_hide_the_listener(tmp_path):
+    """Between listing a process's descriptors and reading them, some close
+    (a gRPC channel's, say): the others must still be read."""
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "tcp").write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242\n")
+    fds = tmp_path / "4711" / "fd"
+    fds.mkdir(parents=True)
+    for n in range(20):  # not links: readlink fails on them, as on a descriptor closed meanwhile
+        (fds / str(n)).write_text("")
+    (fds / "20").symlink_to("socket:[4242]")
+    assert soak.listening_pid(0x1F90, proc=tmp_path) == 4711
+
+
 def test_nothing_listens_on_a_closed_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
