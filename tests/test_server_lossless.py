@@ -8,8 +8,6 @@ prompts written here."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -18,7 +16,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from coordinator.engine_io import engine_inputs, generated_tokens, generation_logits
 from coordinator.sampling import SamplingParams, processed_probs
-from tests.server_client import complete, humaneval_prompts, tensor
+from tests.server_client import complete, concurrently, humaneval_prompts, tensor
 from tests.stats import gof_pvalue
 
 pytestmark = pytest.mark.slow
@@ -145,80 +143,84 @@ def test_greedy_speculation_equals_the_targets_own_transformers_generation(trito
 
 
 SAMPLED_PROMPT = "# a random fruit name\nfruit = \""
-SAMPLING = dict(temperature=0.7, top_k=20)
+SAMPLINGS = {"temperature_0.7_top_k_20": dict(temperature=0.7, top_k=20), "temperature_1": dict(temperature=1.0)}
 N_SAMPLES = 64
+TOP = 20  # cells of their own: the TOP likeliest first tokens, and for each the TOP likeliest second tokens
+OTHER = -1
 
 
 def exact_first_two(server, prompt_ids, params):
-    """The target engine's exact distribution of the first two completion tokens."""
+    """The target engine's exact distribution of the first two completion tokens,
+    over cells (first, second): each of the TOP likeliest first tokens with each
+    of its TOP likeliest second tokens, (first, OTHER) for the rest of its
+    second tokens, and (OTHER, OTHER) for every other first token. Exact: each
+    cell's probability is summed from the full distributions."""
     _, _, logits = engine_call(server, "target", prompt_ids, 1, end_id=151643, return_logits=True)
     first = processed_probs(logits[0], params)
-    support = np.flatnonzero(first)
-    joint = {}
-    for token in support:
-        _, _, rows = engine_call(server, "target", [*prompt_ids, int(token)], 1, end_id=151643, return_logits=True)
+    likely = [int(t) for t in np.argsort(-first)[:TOP] if first[t] > 0]
+    cells = {(OTHER, OTHER): 1.0 - float(first[likely].sum())}
+    for token in likely:
+        _, _, rows = engine_call(server, "target", [*prompt_ids, token], 1, end_id=151643, return_logits=True)
         second = processed_probs(rows[0], params)
-        for other in np.flatnonzero(second):
-            joint[(int(token), int(other))] = first[token] * second[other]
-    return joint
+        seconds = [int(t) for t in np.argsort(-second)[:TOP] if second[t] > 0]
+        for other in seconds:
+            cells[(token, other)] = float(first[token] * second[other])
+        cells[(token, OTHER)] = float(first[token] * (1.0 - second[seconds].sum()))
+    return cells
 
 
-def sampled_pairs(server, tokenizer, prompt, window, n, seed0):
+def cell_of(pair, cells):
+    first, second = pair
+    if (first, second) in cells:
+        return (first, second)
+    return (first, OTHER) if (first, OTHER) in cells else (OTHER, OTHER)
+
+
+def sampled_pairs(server, tokenizer, prompt, sampling, window, n, seed0):
     """The first two completion tokens of n seeded requests (2 streams at a time)."""
-    results: list = [None] * n
-
-    def run(start):
-        for i in range(start, n, 2):
-            kwargs = dict(speculation_window=window, adaptive_window=False) if window else dict(speculation_window=0)
-            completion = complete(server, prompt, max_tokens=3 if window else 2, seed=seed0 + i, **SAMPLING,
-                                  **kwargs)
-            results[i] = completion
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=1200)
+    options = dict(speculation_window=window, adaptive_window=False) if window else dict(speculation_window=0)
+    jobs = [(prompt, dict(max_tokens=3 if window else 2, seed=seed0 + i, **sampling, **options)) for i in range(n)]
+    completions = []
+    for start in range(0, n, 2):
+        completions += concurrently(server, jobs[start : start + 2])
     prompt_ids = tokenizer.encode(prompt).ids
-    pairs = []
-    for completion in results:
-        ids = tokenizer.encode(prompt + completion.text).ids[len(prompt_ids):]
-        pairs.append(tuple(ids[:2]))
-    return pairs, results
+    pairs = [tuple(tokenizer.encode(prompt + c.text).ids[len(prompt_ids):][:2]) for c in completions]
+    return pairs, completions
 
 
-def pair_pvalue(pairs, joint):
-    cells = sorted(joint)
-    index = {cell: i for i, cell in enumerate(cells)}
-    counts = np.zeros(len(cells) + 1)
+def pair_pvalue(pairs, cells):
+    keys = sorted(cells)
+    index = {key: i for i, key in enumerate(keys)}
+    counts = np.zeros(len(keys))
     for pair in pairs:
-        counts[index.get(pair, len(cells))] += 1  # a pair the target cannot produce: its own cell, probability 0
-    probs = np.array([joint[c] for c in cells] + [0.0])
+        counts[index[cell_of(pair, cells)]] += 1
+    probs = np.clip(np.array([cells[key] for key in keys]), 0.0, None)
     return gof_pvalue(counts, probs / probs.sum())
 
 
-def test_seeded_speculative_sampling_is_distributed_as_plain_sampling(triton_server, tokenizer):
-    """Temperature 0.7, top-k 20: the first completion token comes from a plain
-    step, the second from a speculative round (one drafted token, verified by
-    rejection sampling on the log-probabilities the coordinator sends). Both
-    speculative and plain samples follow the target engine's exact joint
-    distribution of the first two tokens, and a seed repeats its text.
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_seeded_speculative_sampling_is_distributed_as_plain_sampling(triton_server, tokenizer, name):
+    """The first completion token comes from a plain step, the second from a
+    speculative round (one drafted token, verified by rejection sampling on the
+    log-probabilities the coordinator sends). Both speculative and plain samples
+    follow the target engine's exact joint distribution of the first two
+    tokens, and a seed repeats its text.
 
     A wiring check through Triton (seeds, log q as FP32 tensors with -inf,
     rows in the right order): with N_SAMPLES requests per mode it catches
     gross errors only; the high-power checks of the same maths run in
     tests/test_rejection_sampling.py and, on two real tiny models through the
     CPU engine, tests/test_trtllm_semantics.py."""
-    params = SamplingParams(**SAMPLING)
-    prompt_ids = tokenizer.encode(SAMPLED_PROMPT).ids
-    joint = exact_first_two(triton_server, prompt_ids, params)
-    speculative, completions = sampled_pairs(triton_server, tokenizer, SAMPLED_PROMPT, 1, N_SAMPLES, seed0=1000)
+    sampling = SAMPLINGS[name]
+    params = SamplingParams(**sampling)
+    cells = exact_first_two(triton_server, tokenizer.encode(SAMPLED_PROMPT).ids, params)
+    speculative, completions = sampled_pairs(triton_server, tokenizer, SAMPLED_PROMPT, sampling, 1, N_SAMPLES, 1000)
     assert sum(c.draft_tokens for c in completions) >= N_SAMPLES * 0.9
-    plain, _ = sampled_pairs(triton_server, tokenizer, SAMPLED_PROMPT, 0, N_SAMPLES, seed0=5000)
-    print(f"\ndistinct first-two-token pairs: speculative {len(set(speculative))}, plain {len(set(plain))}; "
-          f"p-values: speculative {pair_pvalue(speculative, joint):.3g}, plain {pair_pvalue(plain, joint):.3g}")
-    assert pair_pvalue(speculative, joint) >= ALPHA
-    assert pair_pvalue(plain, joint) >= ALPHA
+    plain, _ = sampled_pairs(triton_server, tokenizer, SAMPLED_PROMPT, sampling, 0, N_SAMPLES, 5000)
+    print(f"\n{name}: distinct first-two-token pairs: speculative {len(set(speculative))}, plain {len(set(plain))}; "
+          f"p-values: speculative {pair_pvalue(speculative, cells):.3g}, plain {pair_pvalue(plain, cells):.3g}")
+    assert pair_pvalue(speculative, cells) >= ALPHA
+    assert pair_pvalue(plain, cells) >= ALPHA
     again = complete(triton_server, SAMPLED_PROMPT, max_tokens=3, seed=1000, speculation_window=1,
-                     adaptive_window=False, **SAMPLING)
+                     adaptive_window=False, **sampling)
     assert again.text == completions[0].text
