@@ -318,57 +318,41 @@ def test_the_power_check_detects_a_total_variation_error_of_0_01():
     assert v ** 2 == len(exact[-1])
 
 
-def verify_accepting_5_percent_too_often(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
-    """Wrong: accepts with probability min(1, 1.05 p/q)."""
-    rng = call_rng(params.seed)
-    q_rows = [softmax(row) for row in draft_logits]
-    emitted = []
-    for i, token in enumerate(draft_tokens):
-        p, q = processed_probs(target_logits[i], params), q_rows[i]
-        if q[token] > 0 and rng.random() * q[token] < 1.05 * p[token]:
-            emitted.append(int(token))
-            continue
-        residual = np.maximum(p - q, 0.0)
-        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
-        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
-    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
-    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
+def wrong_verifier(name, doc, *, accept_scale=1.0, one_uniform=False, residual_q=1.0):
+    """engine_semantics.verify with one subtle change: acceptance when
+    u * q < accept_scale * p; one acceptance uniform for the whole round; or
+    the correction drawn from max(p - residual_q * q, 0)."""
+
+    def verify(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
+        rng = call_rng(params.seed)
+        q_rows = [softmax(row) for row in draft_logits]
+        shared = rng.random() if one_uniform else None
+        emitted = []
+        for i, token in enumerate(draft_tokens):
+            p, q = processed_probs(target_logits[i], params), q_rows[i]
+            u = shared if one_uniform else rng.random()
+            if q[token] > 0 and u * q[token] < accept_scale * p[token]:
+                emitted.append(int(token))
+                continue
+            residual = np.maximum(p - residual_q * q, 0.0)
+            emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
+            return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
+        emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
+        return engine_semantics.CallResult(emitted, [], len(draft_tokens))
+
+    verify.__name__, verify.__doc__ = name, doc
+    return verify
 
 
-def verify_with_one_uniform_per_round(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
-    """Wrong: one acceptance uniform for the whole round (as when every call of
-    a request re-seeds the same stream)."""
-    rng = call_rng(params.seed)
-    q_rows = [softmax(row) for row in draft_logits]
-    u = rng.random()
-    emitted = []
-    for i, token in enumerate(draft_tokens):
-        p, q = processed_probs(target_logits[i], params), q_rows[i]
-        if q[token] > 0 and u * q[token] < p[token]:
-            emitted.append(int(token))
-            continue
-        residual = np.maximum(p - q, 0.0)
-        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
-        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
-    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
-    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
-
-
-def verify_with_residual_p_minus_0_9_q(target_logits, draft_tokens, draft_logits, max_new_tokens, params, end_id):
-    """Wrong: the correction is sampled from max(p - 0.9 q, 0)."""
-    rng = call_rng(params.seed)
-    q_rows = [softmax(row) for row in draft_logits]
-    emitted = []
-    for i, token in enumerate(draft_tokens):
-        p, q = processed_probs(target_logits[i], params), q_rows[i]
-        if q[token] > 0 and rng.random() * q[token] < p[token]:
-            emitted.append(int(token))
-            continue
-        residual = np.maximum(p - 0.9 * q, 0.0)
-        emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
-        return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
-    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
-    return engine_semantics.CallResult(emitted, [], len(draft_tokens))
+verify_accepting_5_percent_too_often = wrong_verifier(
+    "verify_accepting_5_percent_too_often", "Wrong: accepts with probability min(1, 1.05 p/q).", accept_scale=1.05)
+verify_with_one_uniform_per_round = wrong_verifier(
+    "verify_with_one_uniform_per_round",
+    "Wrong: one acceptance uniform for the whole round (as when every call re-seeds the same stream).",
+    one_uniform=True)
+verify_with_residual_p_minus_0_9_q = wrong_verifier(
+    "verify_with_residual_p_minus_0_9_q", "Wrong: the correction is sampled from max(p - 0.9 q, 0).",
+    residual_q=0.9)
 
 
 @pytest.mark.parametrize("wrong", [verify_accepting_5_percent_too_often, verify_with_one_uniform_per_round,
