@@ -32,6 +32,15 @@ class CallResult:
     fed: int  # how many of ``tokens`` went through the model (their KV is in the cache)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def before_end(tokens: Sequence[int], end_ids: Collection[int]) -> list[int]:
     """``tokens`` up to (not including) the first end token."""
     out = []
@@ -84,7 +93,5 @@ def verify(
         q = np.stack([softmax(row) for row in np.asarray(draft_logits)])
         emitted = verify_by_rejection(target_logits, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
-    fed = 0  # accepted draft tokens went through the forward pass
-    while fed < len(tokens) and fed < len(drafts) and tokens[fed] == drafts[fed]:
-        fed += 1
+    fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
     return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed)

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.engine_semantics import before_end
+from coordinator.engine_semantics import before_end, common_prefix_length
 from coordinator.policy import SpeculationPolicy
 from coordinator.sampling import SamplingParams, call_seed, draft_log_probs
 
@@ -79,22 +79,6 @@ class Round:
     finished: bool  # end token reached or token budget spent
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _cut_after_end(tokens: list[int], end_ids: Collection[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in end_ids:
-            return tokens[: i + 1]
-    return tokens
 
 
 def reached_end_by_count(returned: int, accepted: int, requested: int, verified: bool) -> bool:
@@ -181,23 +165,22 @@ async def speculative_decode(
         returned = [int(t) for t in verified.tokens]
         if len(returned) > requested:
             raise EngineError(f"target returned {len(returned)} tokens for a round of {len(proposal)} draft tokens")
-        accepted = common_prefix_length(returned, proposal)
-        emitted = _cut_after_end(returned[:remaining], end_ids)
-        ended = bool(emitted) and emitted[-1] in end_ids
-        if ended:  # an engine that returns the end token
-            emitted.pop()
-        else:
-            ended = reached_end_by_count(len(returned), accepted, requested, verified=bool(proposal))
+        matched = common_prefix_length(returned, proposal)
+        emitted = before_end(returned[:remaining], end_ids)
+        accepted = min(matched, len(emitted))
+        # an engine that returns the end token, or one that stops before it
+        ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
+            len(returned), matched, requested, verified=bool(proposal))
         if proposal:
             timed = steady and draft_steady
-            policy.record(len(proposal), min(accepted, len(emitted)), draft_seconds if timed else None,
+            policy.record(len(proposal), accepted, draft_seconds if timed else None,
                           target_seconds if timed else None)
         else:
             policy.record_plain(target_seconds if steady else None)
         context += emitted
         produced += len(emitted)
         finished = ended or produced >= max_new_tokens
-        yield Round(emitted, len(proposal), min(accepted, len(emitted)), finished, draft_seconds, target_seconds)
+        yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
         if ended:
             return
 

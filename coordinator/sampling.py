@@ -39,6 +39,9 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+_PLAIN = SamplingParams(temperature=1.0)  # no temperature scaling, no filters
+
+
 def call_seed(request_seed: int, position: int, role: str) -> int:
     """The seed of one engine call: a 64-bit hash of (request seed, absolute
     position of the call's first new token, role).
@@ -76,17 +79,8 @@ def _scores(logits: np.ndarray) -> np.ndarray:
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """A plain softmax (float64): how the tensorrtllm backend reads ``draft_logits``.
-
-    -inf gets probability 0; all -inf (or +inf present) shares the mass among
-    the maximal entries, as ``processed_probs`` does."""
-    scores = _scores(logits)
-    top = scores.max()
-    if not np.isfinite(top):
-        scores = np.where(scores == top, 0.0, -np.inf)
-    else:
-        scores = scores - top
-    probs = np.exp(scores)
-    return probs / probs.sum()
+    It is the sampler's distribution at temperature 1 without filters."""
+    return processed_probs(logits, _PLAIN)
 
 
 def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
