@@ -49,6 +49,16 @@ class CoordinatorSettings:
     # The engines' seed input: random_seed (tensorrtllm backend <= v0.19, the
     # CPU engine) or seed (newer backends, which ignore an undeclared name).
     engine_seed_input: str = "random_seed"
+    # Whether the target and draft models are decoupled (model_transaction_policy):
+    # then a call may stream its tokens back (a stretch of plain decoding in
+    # one call) and is read as a stream of responses. TensorRT-LLM's model is
+    # decoupled when its decoupled_mode is set; the CPU engine always is.
+    engine_decoupled: bool = False
+    # Most tokens one streamed plain call may generate when the policy plans a
+    # stretch of plain decoding (decoupled engines only; otherwise one per call).
+    # Longer stretches save round trips; a client that cancels or hits a stop
+    # word wastes at most this many tokens of target work.
+    plain_stretch_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
@@ -72,6 +82,8 @@ class CoordinatorSettings:
             raise SettingsError(
                 f"engine_seed_input must be one of {', '.join(SEED_INPUT_NAMES)}, got {self.engine_seed_input!r}"
             )
+        if self.plain_stretch_tokens < 1:
+            raise SettingsError(f"plain_stretch_tokens must be at least 1, got {self.plain_stretch_tokens}")
         if self.max_context_tokens < 2:
             raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
 

@@ -49,6 +49,7 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
         _spec("runtime_top_p", "TYPE_FP32", (1,)),
         _spec("random_seed", "TYPE_UINT64", (1,)),
         _spec("return_generation_logits", "TYPE_BOOL", (1,)),
+        _spec("streaming", "TYPE_BOOL", (1,)),
     )
 }
 

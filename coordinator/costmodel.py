@@ -11,11 +11,20 @@ drafted token, v(K) = verify cost relative to one plain step):
 The coordinator keeps moving averages of d(K), v(K) and t from the engine
 calls it times (server-wide), and picks the K in 1..max_window with the best
 predicted speed-up, or plain decoding when none beats 1.
+
+Engine costs depend on the context length (attention reads every cached key)
+and on the load (with in-flight batching a verification's k + 1 rows share
+forwards with the other streams' rows: nearly free while forwards are
+memory-bound, not once they are compute-bound). So the timings are kept per
+cell of (context bucket, load bucket), load being the requests decoding at
+the time; a decision reads the cell of the request's own context and the
+current load, and a cell with nothing measured starts from the priors, never
+from another cell's numbers: what ran before (2,000-token prompts, a burst of
+load) cannot make a short request under light load decide otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Before anything is measured: a draft step costs this fraction of a target
@@ -23,6 +32,32 @@ from dataclasses import dataclass, field
 PRIOR_DRAFT_COST = 0.3
 PRIOR_VERIFY_COST = 1.0
 EWMA_WEIGHT = 0.1  # weight of a new sample in the moving averages (~10 recent calls)
+# Upper bounds of the context buckets (tokens); the last bucket is open.
+CONTEXT_BUCKETS = (512, 1024, 2048)
+# Upper bounds of the load buckets (requests decoding at once); the last is open.
+LOAD_BUCKETS = (1, 2, 4, 8)
+
+
+def context_bucket(tokens: int) -> int:
+    return next((i for i, bound in enumerate(CONTEXT_BUCKETS) if tokens < bound), len(CONTEXT_BUCKETS))
+
+
+def load_bucket(streams: int) -> int:
+    return next((i for i, bound in enumerate(LOAD_BUCKETS) if streams <= bound), len(LOAD_BUCKETS))
+
+
+def context_label(bucket: int) -> str:
+    """The bucket as a metric label, e.g. ``512-1023`` or ``2048+``."""
+    low = 0 if bucket == 0 else CONTEXT_BUCKETS[bucket - 1]
+    return f"{low}+" if bucket == len(CONTEXT_BUCKETS) else f"{low}-{CONTEXT_BUCKETS[bucket] - 1}"
+
+
+def load_label(bucket: int) -> str:
+    low = 1 if bucket == 0 else LOAD_BUCKETS[bucket - 1] + 1
+    if bucket == len(LOAD_BUCKETS):
+        return f"{low}+"
+    high = LOAD_BUCKETS[bucket]
+    return str(high) if low == high else f"{low}-{high}"
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:
@@ -66,41 +101,17 @@ class MovingAverage:
 
 
 @dataclass
-class CostModel:
-    """Server-wide engine timings (seconds), shared by all requests."""
+class Timings:
+    """Engine call timings (seconds) of one (context, load) cell."""
 
     plain_step: MovingAverage = field(default_factory=MovingAverage)
     draft: dict[int, MovingAverage] = field(default_factory=dict)  # draft call seconds per K
     verify: dict[int, MovingAverage] = field(default_factory=dict)  # verify call seconds per K
-    # Server-wide acceptance: moving averages of accepted drafts and of trials
-    # (accepted + rejections) per round; the prior of every new request.
-    accepted: MovingAverage = field(default_factory=MovingAverage)
-    trials: MovingAverage = field(default_factory=MovingAverage)
 
-    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
-        self.accepted.add(accepted)
-        self.trials.add(accepted + int(rejected))
-
-    def server_acceptance(self, default: float) -> float:
-        if not self.trials.value:
-            return default
-        return self.accepted.value / self.trials.value
-
-    def observe_plain(self, seconds: float) -> None:
-        self.plain_step.add(seconds)
-
-    def observe_draft(self, drafted: int, seconds: float) -> None:
-        if drafted > 0:
-            self.draft.setdefault(drafted, MovingAverage()).add(seconds)
-
-    def observe_verify(self, drafted: int, seconds: float) -> None:
-        if drafted > 0:
-            self.verify.setdefault(drafted, MovingAverage()).add(seconds)
-
-    def _plain_seconds(self) -> float | None:
+    def plain_seconds(self) -> float | None:
         if self.plain_step.value is not None:
             return self.plain_step.value
-        # Never decoded plainly yet: the cheapest verify is the closest stand-in.
+        # Never decoded plainly in this cell yet: the cheapest verify is the closest stand-in.
         measured = [m.value for m in self.verify.values() if m.value is not None]
         return min(measured) if measured else None
 
@@ -111,7 +122,7 @@ class CostModel:
         the previous round), so c is kept per K; an unmeasured K borrows the
         per-token cost of the nearest measured one.
         """
-        plain = self._plain_seconds()
+        plain = self.plain_seconds()
         measured = _values(self.draft)
         if plain is None or not measured:
             return PRIOR_DRAFT_COST
@@ -120,28 +131,82 @@ class CostModel:
 
     def verify_cost(self, k: int) -> float:
         """v(K): verify seconds over one plain step (nearest measured K when K is not)."""
-        plain = self._plain_seconds()
+        plain = self.plain_seconds()
         measured = _values(self.verify)
         if plain is None or not measured:
             return PRIOR_VERIFY_COST
         return max(measured[_nearest(measured, k)] / plain, 1e-3)
 
-    def best_window(self, alpha: float, max_window: int) -> tuple[int, float]:
+
+@dataclass
+class CostModel:
+    """Server-wide engine timings per (context, load) cell, and the acceptance, shared by all requests.
+
+    ``context`` (tokens in the sequence) and ``streams`` (requests decoding
+    at once, the current ``streams`` by default) select the cell."""
+
+    cells: dict[tuple[int, int], Timings] = field(default_factory=dict)
+    # Server-wide acceptance: moving averages of accepted drafts and of trials
+    # (accepted + rejections) per round; the prior of every new request.
+    accepted: MovingAverage = field(default_factory=MovingAverage)
+    trials: MovingAverage = field(default_factory=MovingAverage)
+    streams: int = 0  # requests decoding now (the coordinator counts them)
+
+    def cell(self, context: int = 0, streams: int | None = None) -> Timings:
+        key = (context_bucket(context), load_bucket(self.streams if streams is None else streams))
+        if key not in self.cells:
+            self.cells[key] = Timings()
+        return self.cells[key]
+
+    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
+        self.accepted.add(accepted)
+        self.trials.add(accepted + int(rejected))
+
+    def server_acceptance(self, default: float) -> float:
+        if not self.trials.value:
+            return default
+        return self.accepted.value / self.trials.value
+
+    def observe_plain(self, seconds: float, context: int = 0, streams: int | None = None) -> None:
+        self.cell(context, streams).plain_step.add(seconds)
+
+    def observe_draft(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None) -> None:
+        if drafted > 0:
+            self.cell(context, streams).draft.setdefault(drafted, MovingAverage()).add(seconds)
+
+    def observe_verify(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None) -> None:
+        if drafted > 0:
+            self.cell(context, streams).verify.setdefault(drafted, MovingAverage()).add(seconds)
+
+    def draft_cost(self, k: int, context: int = 0, streams: int | None = None) -> float:
+        return self.cell(context, streams).draft_cost(k)
+
+    def verify_cost(self, k: int, context: int = 0, streams: int | None = None) -> float:
+        return self.cell(context, streams).verify_cost(k)
+
+    def plain_seconds(self, context: int = 0, streams: int | None = None) -> float | None:
+        return self.cell(context, streams).plain_seconds()
+
+    def predictions(self, alpha: float, max_window: int, context: int = 0,
+                    streams: int | None = None) -> list[float]:
+        """Predicted speed-up of every window 1..max_window (index K - 1)."""
+        timings = self.cell(context, streams)
+        return [predicted_speedup(alpha, k, timings.draft_cost(k), timings.verify_cost(k))
+                for k in range(1, max_window + 1)]
+
+    def best_window(self, alpha: float, max_window: int, context: int = 0,
+                    streams: int | None = None) -> tuple[int, float]:
         """(K, predicted speed-up) of the best window in 1..max_window; (0, 1.0) if none beats 1."""
         best_k, best = 0, 1.0
-        for k in range(1, max_window + 1):
-            speedup = predicted_speedup(alpha, k, self.draft_cost(k), self.verify_cost(k))
+        for k, speedup in enumerate(self.predictions(alpha, max_window, context, streams), start=1):
             if speedup > best + 1e-9:
                 best_k, best = k, speedup
         return best_k, best
 
-    def snapshot(self, windows: Iterable[int]) -> dict[str, float]:
-        """Current c and v(K) (for metrics and logs)."""
-        out: dict[str, float] = {}
-        for k in windows:
-            out[f"draft_cost_{k}"] = self.draft_cost(k)
-            out[f"verify_cost_{k}"] = self.verify_cost(k)
-        return out
+    def likeliest_window(self, alpha: float, max_window: int, context: int = 0, streams: int | None = None) -> int:
+        """The window predicted to do best even when none beats plain decoding (what a probe should measure)."""
+        predictions = self.predictions(alpha, max_window, context, streams)
+        return 1 + max(range(len(predictions)), key=lambda i: (predictions[i], -i)) if predictions else 0
 
 
 def _values(averages: dict[int, MovingAverage]) -> dict[int, float]:

@@ -25,6 +25,7 @@ def engine_inputs(
     draft_logits: np.ndarray | None = None,
     return_logits: bool = False,
     seed_input: str = "random_seed",
+    streaming: bool = False,
 ) -> dict[str, np.ndarray]:
     """``sampling.seed`` is this call's own seed, sent as ``seed_input``
     (``random_seed`` or ``seed``, by backend version). ``draft_logits`` are
@@ -50,6 +51,8 @@ def engine_inputs(
             tensors["draft_logits"] = np.asarray(draft_logits, dtype=np.float32)[None, ...]
     if return_logits:
         tensors["return_generation_logits"] = scalar("return_generation_logits", True)
+    if streaming:  # a decoupled engine then answers with each step's new tokens
+        tensors["streaming"] = scalar("streaming", True)
     return tensors
 
 

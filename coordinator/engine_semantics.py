@@ -51,6 +51,38 @@ def before_end(tokens: Sequence[int], end_ids: Collection[int]) -> list[int]:
     return out
 
 
+class PlainDecoding:
+    """Plain decoding one step at a time: ``next_token(logits)`` takes the
+    logits of the last fed token and returns the token to feed next, or None
+    once the call is finished (the end token drawn or the budget spent).
+    Engines that batch many calls into one forward drive it step by step."""
+
+    def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None):
+        self.max_new_tokens = max_new_tokens
+        self.params = params
+        self.end_id = end_id
+        self.rng = call_rng(params.seed)
+        self.tokens: list[int] = []
+        self.rows: list[np.ndarray] = []
+        self.finished = False
+        self.fed = 0
+
+    def next_token(self, logits: np.ndarray) -> int | None:
+        token = select_token(logits, self.params, self.rng)
+        if token == self.end_id:
+            self.finished, self.fed = True, len(self.tokens)
+            return None
+        self.tokens.append(token)
+        self.rows.append(logits)
+        if len(self.tokens) >= self.max_new_tokens:
+            self.finished, self.fed = True, len(self.tokens) - 1
+            return None
+        return token
+
+    def result(self) -> CallResult:
+        return CallResult(self.tokens, self.rows, self.fed)
+
+
 def generate(
     step: Callable[[int], np.ndarray],
     last_input: int,
@@ -60,19 +92,11 @@ def generate(
 ) -> CallResult:
     """Plain decoding: ``step(token)`` feeds one token and returns the logits
     of the next position; the first call feeds the prompt's last token."""
-    rng = call_rng(params.seed)
-    tokens: list[int] = []
-    rows: list[np.ndarray] = []
-    feed = int(last_input)
-    for _ in range(max_new_tokens):
-        logits = step(feed)
-        token = select_token(logits, params, rng)
-        if token == end_id:
-            return CallResult(tokens, rows, fed=len(tokens))
-        tokens.append(token)
-        rows.append(logits)
-        feed = token
-    return CallResult(tokens, rows, fed=len(tokens) - 1)
+    decoding = PlainDecoding(max_new_tokens, params, end_id)
+    feed: int | None = int(last_input)
+    while feed is not None:
+        feed = decoding.next_token(step(feed))
+    return decoding.result()
 
 
 def verify(

@@ -81,10 +81,11 @@ async def generate_text(
     check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
+    costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
         settings.fallback_threshold,
-        costs=costs if costs is not None else CostModel(),
+        costs=costs,
         adaptive=request.adaptive_window,
     )
     text = CompletionText(codec.decode, request.stop_words)
@@ -99,19 +100,24 @@ async def generate_text(
         draft_sampling=request.draft_sampling,
         end_ids=codec.special.eos_token_ids,
         draft_timeout=settings.draft_timeout_seconds,
+        plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
     )
-    async with aclosing(rounds):
-        async for round_ in rounds:
-            stats.add(round_)
-            stats.fallback_reason = policy.reason
-            if metrics is not None:
-                metrics.round(round_, policy)
-            if cancelled is not None and not round_.finished and cancelled():
-                raise RequestCancelled()
-            delta = text.append(round_.tokens, final=round_.finished)
-            if text.stopped or round_.finished:
-                yield Chunk(delta, True, stats)
-                return
-            if delta:
-                yield Chunk(delta, False, stats)
+    costs.streams += 1  # the load the cost model plans for
+    try:
+        async with aclosing(rounds):
+            async for round_ in rounds:
+                stats.add(round_)
+                stats.fallback_reason = policy.reason
+                if metrics is not None:
+                    metrics.round(round_, policy)
+                if cancelled is not None and not round_.finished and cancelled():
+                    raise RequestCancelled()
+                delta = text.append(round_.tokens, final=round_.finished)
+                if text.stopped or round_.finished:
+                    yield Chunk(delta, True, stats)
+                    return
+                if delta:
+                    yield Chunk(delta, False, stats)
+    finally:
+        costs.streams -= 1
     yield Chunk(text.append([], final=True), True, stats)  # budget of 0 rounds cannot happen; kept for safety

@@ -16,6 +16,17 @@ itself: TensorRT-LLM neither returns nor counts it, so a call that reached
 the end returns fewer tokens than it otherwise must (none of the target's
 own). An engine that does return the end token is handled too.
 
+When the policy plans a stretch of plain decoding (the first round, a
+fallback until the next probe, or no draft at all) the target is asked for
+the whole stretch in one streamed call (at most ``plain_stretch`` tokens):
+one round trip instead of one per token. For a greedy request the draft
+prefills the prompt in the background after the first round, while the
+target goes on plainly, so the draft's prefill delays neither the first token
+nor a speculative round. Which rounds speculate then depends on timing, which
+greedy output does not; a sampled request keeps a schedule that depends only
+on its seed (the draft prefills in its first speculative round), so a seeded
+request repeats its text.
+
 A draft call that raises, or does not answer within ``draft_timeout`` seconds,
 switches the request to target-only decoding (``policy.draft_failed``); the
 late call is left to finish in the background and its answer is dropped.
@@ -26,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -33,10 +45,20 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.engine_semantics import before_end, common_prefix_length
-from coordinator.policy import SpeculationPolicy
+from coordinator.policy import Mode, SpeculationPolicy
 from coordinator.sampling import SamplingParams, call_seed, draft_log_probs
 
 log = logging.getLogger(__name__)
+
+# Plain tokens per call while the draft prefills the prompt in the background:
+# short, so speculation starts soon after the draft is ready.
+WARMUP_STRETCH = 2
+
+
+def _finished() -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 @dataclass(frozen=True)
@@ -114,10 +136,12 @@ async def speculative_decode(
     draft_sampling: SamplingParams | None = None,
     clock: Callable[[], float] = time.perf_counter,
     draft_timeout: float | None = None,
+    plain_stretch: int = 1,
 ) -> AsyncIterator[Round]:
     """``draft_sampling``: how the draft samples (defaults to ``sampling``;
     another temperature stays lossless because the target is told q).
-    ``draft_timeout``: seconds a draft call may take (None or 0: no deadline)."""
+    ``draft_timeout``: seconds a draft call may take (None or 0: no deadline).
+    ``plain_stretch``: most tokens one plain call may generate (1: a call per token)."""
     draft_sampling = draft_sampling or sampling
     want_logits = not sampling.greedy
     context = list(prompt_ids)
@@ -126,14 +150,44 @@ async def speculative_decode(
     # that has to catch up on more than one round's tokens (the prompt prefill,
     # or the draft after plain rounds) is not a steady-state cost sample.
     draft_seen = target_seen = 0
-    while produced < max_new_tokens:
-        remaining = max_new_tokens - produced
-        k = min(policy.window(), remaining - 1)
-        position = len(context)  # of the first new token: the calls' seeds depend on it
-        proposal: list[int] = []
-        proposal_logits = None
-        draft_seconds = 0.0
-        if k > 0:
+    warmup: asyncio.Task | None = None  # the draft's prompt prefill, in the background
+    try:
+        while produced < max_new_tokens:
+            remaining = max_new_tokens - produced
+            k = min(policy.window(len(context)), remaining - 1)
+            position = len(context)  # of the first new token: the calls' seeds depend on it
+            if k > 0 and warmup is not None and not warmup.done():
+                await asyncio.sleep(0)  # let a warm-up that is about to finish finish
+                if not warmup.done():
+                    k = 0  # the draft is still prefilling the prompt: decode plainly meanwhile
+            if warmup is not None and warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
+                error, warmup = warmup.exception(), _finished()
+                log.warning("draft failed, continuing with the target alone: %s", error)
+                policy.draft_failed(error)
+                k = 0
+            if k <= 0:
+                stretch = min(remaining, plain_stretch, policy.plain_rounds_planned())
+                if warmup is not None and not warmup.done():
+                    stretch = min(stretch, WARMUP_STRETCH)
+                plain = _plain_rounds(target, context, stretch, sampling, policy, end_ids, clock,
+                                      steady=target_seen > 0)
+                async with aclosing(plain):
+                    async for round_ in plain:
+                        target_seen = len(context)
+                        context += round_.tokens
+                        produced += len(round_.tokens)
+                        finished = round_.finished or produced >= max_new_tokens
+                        yield replace(round_, finished=finished)
+                        if round_.finished:
+                            return
+                if (warmup is None and sampling.greedy and draft_seen == 0 and policy.max_window > 0
+                        and policy.mode is not Mode.DRAFT_FAILED):
+                    warmup = asyncio.ensure_future(_with_deadline(
+                        _warm_up(draft, context, draft_sampling, sampling.seed), draft_timeout))
+                    draft_seen = len(context)
+                continue
+            proposal: list[int] = []
+            proposal_logits = None
             started = clock()
             try:
                 drafted = await _with_deadline(
@@ -150,39 +204,73 @@ async def speculative_decode(
                 policy.draft_failed(error)
                 proposal, proposal_logits = [], None
             draft_seconds = clock() - started
-        requested = len(proposal) + 1
-        started = clock()
-        verified = await target.generate(
-            context, requested, replace(sampling, seed=call_seed(sampling.seed, position, "target")),
-            draft_tokens=proposal, draft_logits=proposal_logits,
-        )
-        target_seconds = clock() - started
-        steady = target_seen > 0  # the target caught up on one round's tokens at most
-        draft_steady = draft_seen > 0 and len(context) - draft_seen <= policy.max_window + 1
-        target_seen = len(context)
-        if proposal:
-            draft_seen = len(context)
-        returned = [int(t) for t in verified.tokens]
-        if len(returned) > requested:
-            raise EngineError(f"target returned {len(returned)} tokens for a round of {len(proposal)} draft tokens")
-        matched = common_prefix_length(returned, proposal)
-        emitted = before_end(returned[:remaining], end_ids)
-        accepted = min(matched, len(emitted))
-        # an engine that returns the end token, or one that stops before it
-        ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
-            len(returned), matched, requested, verified=bool(proposal))
-        if proposal:
-            timed = steady and draft_steady
-            policy.record(len(proposal), accepted, draft_seconds if timed else None,
-                          target_seconds if timed else None)
-        else:
-            policy.record_plain(target_seconds if steady else None)
-        context += emitted
-        produced += len(emitted)
-        finished = ended or produced >= max_new_tokens
-        yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
-        if ended:
-            return
+            requested = len(proposal) + 1
+            started = clock()
+            verified = await target.generate(
+                context, requested, replace(sampling, seed=call_seed(sampling.seed, position, "target")),
+                draft_tokens=proposal, draft_logits=proposal_logits,
+            )
+            target_seconds = clock() - started
+            steady = target_seen > 0  # the target caught up on one round's tokens at most
+            draft_steady = draft_seen > 0 and len(context) - draft_seen <= policy.max_window + 1
+            target_seen = len(context)
+            if proposal:
+                draft_seen = len(context)
+            returned = [int(t) for t in verified.tokens]
+            if len(returned) > requested:
+                raise EngineError(f"target returned {len(returned)} tokens for a round of {len(proposal)} draft tokens")
+            matched = common_prefix_length(returned, proposal)
+            emitted = before_end(returned[:remaining], end_ids)
+            accepted = min(matched, len(emitted))
+            # an engine that returns the end token, or one that stops before it
+            ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
+                len(returned), matched, requested, verified=bool(proposal))
+            if proposal:
+                # a call that caught up on more than a round's tokens is not a steady-state sample
+                policy.record(len(proposal), accepted, draft_seconds if draft_steady else None,
+                              target_seconds if steady else None)
+            else:
+                policy.record_plain(target_seconds if steady else None)
+            context += emitted
+            produced += len(emitted)
+            finished = ended or produced >= max_new_tokens
+            yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
+            if ended:
+                return
+    finally:
+        if warmup is not None and not warmup.done():
+            warmup.add_done_callback(_drop_result)
+
+
+async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampling: SamplingParams,
+                        policy: SpeculationPolicy, end_ids: Collection[int], clock, steady: bool):
+    """A stretch of plain decoding in one streamed call: a Round per chunk of
+    tokens as they arrive (``finished`` set when the end was reached)."""
+    seed = call_seed(sampling.seed, len(context), "target")
+    started = last = clock()
+    got = 0
+    ended = False
+    async with aclosing(target.stream(context, stretch, replace(sampling, seed=seed))) as chunks:
+        async for tokens in chunks:
+            now = clock()
+            tokens = [int(t) for t in tokens][: stretch - got]
+            emitted = before_end(tokens, end_ids)
+            ended = len(emitted) < len(tokens)
+            got += len(tokens)
+            # the first chunk carries the call's round trip (and any prefill); later ones one forward each
+            policy.record_plain(now - last if steady or got > len(tokens) else None, tokens=len(emitted))
+            if emitted or ended:
+                yield Round(emitted, 0, 0, ended, 0.0, now - last)
+            last = now
+            if ended or got >= stretch:
+                break
+    if not ended and got < stretch:  # fewer tokens than asked and no end token: the engine stopped at the end
+        yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0)
+
+
+async def _warm_up(draft: Engine, context: list[int], draft_sampling: SamplingParams, seed: int) -> None:
+    """Have the draft prefill the prompt (its KV cache then serves the first round)."""
+    await draft.generate(context, 1, replace(draft_sampling, seed=call_seed(seed, len(context), "draft")))
 
 
 async def _with_deadline(call, timeout: float | None):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.costmodel import CONTEXT_BUCKETS, context_bucket, context_label
 from coordinator.loop import Round
 from coordinator.policy import Mode, SpeculationPolicy
 
@@ -39,9 +40,9 @@ DRAFT_TOKENS = _spec("specdec_draft_tokens_total", COUNTER, "Draft tokens propos
 ACCEPTED_TOKENS = _spec("specdec_accepted_draft_tokens_total", COUNTER, "Draft tokens the target accepted")
 EMITTED_TOKENS = _spec("specdec_emitted_tokens_total", COUNTER, "Completion tokens emitted to clients")
 SPECULATIVE_ROUNDS = _spec(
-    "specdec_rounds_total", COUNTER, "Decoding rounds (one target call each)", [("kind", "speculative")]
+    "specdec_rounds_total", COUNTER, "Decoding rounds: a speculative round is one target call, a plain round one plain target step", [("kind", "speculative")]
 )
-PLAIN_ROUNDS = _spec("specdec_rounds_total", COUNTER, "Decoding rounds (one target call each)", [("kind", "plain")])
+PLAIN_ROUNDS = _spec("specdec_rounds_total", COUNTER, "Decoding rounds: a speculative round is one target call, a plain round one plain target step", [("kind", "plain")])
 DRAFT_FAILURES = _spec(
     "specdec_draft_failures_total", COUNTER, "Draft engine failures (the request went on with the target alone)"
 )
@@ -56,12 +57,25 @@ FALLBACK_ACTIVE = _spec(
     "Requests in flight decoding without the draft because acceptance fell below fallback_threshold "
     "or the draft failed",
 )
-DRAFT_COST = _spec(
-    "specdec_draft_cost_ratio", GAUGE, "Measured draft cost per drafted token over one plain target step (c)"
-)
-VERIFY_COST = _spec(
-    "specdec_verify_cost_ratio", GAUGE, "Measured verify cost over one plain target step at the latest window (v(K))"
-)
+DRAFT_COST = {
+    bucket: _spec("specdec_draft_cost_ratio", GAUGE,
+                  "Draft cost per drafted token over one plain target step (c), by context length, at the current load",
+                  [("context", context_label(bucket))])
+    for bucket in range(len(CONTEXT_BUCKETS) + 1)
+}
+VERIFY_COST = {
+    bucket: _spec("specdec_verify_cost_ratio", GAUGE,
+                  "Verify cost over one plain target step at the latest window (v(K)), by context length, "
+                  "at the current load", [("context", context_label(bucket))])
+    for bucket in range(len(CONTEXT_BUCKETS) + 1)
+}
+PLAIN_STEP = {
+    bucket: _spec("specdec_plain_step_seconds", GAUGE,
+                  "Measured seconds of a plain target step, by context length, at the current load",
+                  [("context", context_label(bucket))])
+    for bucket in range(len(CONTEXT_BUCKETS) + 1)
+}
+STREAMS = _spec("specdec_decoding_requests", GAUGE, "Requests decoding now (the load the cost model plans for)")
 ACCEPTED_PER_ROUND = _spec(
     "specdec_accepted_tokens_per_round",
     HISTOGRAM,
@@ -91,8 +105,10 @@ ALL_SPECS = (
     *REQUESTS.values(),
     WINDOW,
     FALLBACK_ACTIVE,
-    DRAFT_COST,
-    VERIFY_COST,
+    *DRAFT_COST.values(),
+    *VERIFY_COST.values(),
+    *PLAIN_STEP.values(),
+    STREAMS,
     ACCEPTED_PER_ROUND,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -131,10 +147,15 @@ class MetricsRecorder:
             get(ACCEPTED_TOKENS).increment(round_.accepted)
             get(SPECULATIVE_ROUNDS).increment(1)
             get(ACCEPTED_PER_ROUND).observe(round_.accepted)
-            get(DRAFT_COST).set(policy.costs.draft_cost(round_.drafted))
-            get(VERIFY_COST).set(policy.costs.verify_cost(round_.drafted))
+            bucket = context_bucket(policy.context)
+            get(DRAFT_COST[bucket]).set(policy.costs.draft_cost(round_.drafted, policy.context))
+            get(VERIFY_COST[bucket]).set(policy.costs.verify_cost(round_.drafted, policy.context))
         else:
             get(PLAIN_ROUNDS).increment(1)
+        plain = policy.costs.plain_seconds(policy.context)
+        if plain is not None:
+            get(PLAIN_STEP[context_bucket(policy.context)]).set(plain)
+        get(STREAMS).set(policy.costs.streams)
         get(WINDOW).set(round_.drafted)
         if emitted:
             get(EMITTED_TOKENS).increment(emitted)

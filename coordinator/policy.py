@@ -14,11 +14,15 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    (up to ``max_probe_interval``), so a useless draft costs ever less.
 3. Window (``adaptive``). The per-token acceptance a is estimated from the
    request's recent rounds, starting from the server-wide estimate worth
-   ``prior_trials`` trials; the cost model predicts the speed-up of every
-   window 1..``max_window`` from a and the measured engine costs and the best
-   one is drafted. When no window is predicted to beat plain decoding the
-   request decodes plainly and probes as in 2 (resuming as soon as a window
-   is predicted to pay). Without ``adaptive`` the window is ``max_window``.
+   ``prior_trials`` trials (after a few rounds the request's own evidence
+   dominates); the cost model predicts the speed-up of every window
+   1..``max_window`` from a and the engine costs measured at the request's
+   context length and the current load, and the best one is drafted. When no
+   window is predicted to beat plain decoding the request decodes plainly and
+   probes every ``probe_interval`` plain rounds with the window predicted to
+   do best, so the estimate that stopped it is measured again; it resumes as
+   soon as a window is predicted to pay (no back-off: the draft is not the
+   problem). Without ``adaptive`` the window is ``max_window``.
 4. A failing draft engine switches the request to plain decoding for good
    (no probes): the request completes on the target alone.
 5. The first round is a plain target step (``first_round_plain``): the
@@ -33,6 +37,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from coordinator.costmodel import CostModel
+
+
+UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
 
 
 class Mode(str, Enum):
@@ -66,22 +73,29 @@ class SpeculationPolicy:
     _probe_drafted: int = 0
     _probe_accepted: int = 0
     _rounds: int = 0
+    _context: int = 0  # tokens in the sequence at the latest window() (selects the cost cell)
 
     def __post_init__(self) -> None:
         self._interval = self.probe_interval
 
     # -- decisions ---------------------------------------------------------
-    def window(self) -> int:
-        """Tokens to draft in the next round (0: a plain target step)."""
+    def window(self, context: int = 0) -> int:
+        """Tokens to draft in the next round (0: a plain target step) for a
+        sequence of ``context`` tokens."""
+        self._context = context
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
             return 0
         if self.first_round_plain and self._rounds == 0:
             return 0
         if self.mode is not Mode.SPECULATING:
-            return min(self.probe_window, self.max_window) if self._plain_rounds >= self._interval else 0
+            if self._plain_rounds < self._interval:
+                return 0
+            if self.mode is Mode.UNPROFITABLE:
+                return self.costs.likeliest_window(self.acceptance_estimate(), self.max_window, context)
+            return min(self.probe_window, self.max_window)
         if not self.adaptive:
             return self.max_window
-        k, _ = self.costs.best_window(self.acceptance_estimate(), self.max_window)
+        k, _ = self.costs.best_window(self.acceptance_estimate(), self.max_window, context)
         if k == 0:
             self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
         return k
@@ -101,6 +115,11 @@ class SpeculationPolicy:
         return sum(a for _, a, _ in self._history) / drafted
 
     @property
+    def context(self) -> int:
+        """Tokens in the sequence at the latest decision (which cost cell it read)."""
+        return self._context
+
+    @property
     def speculating(self) -> bool:
         return self.mode is Mode.SPECULATING
 
@@ -113,9 +132,10 @@ class SpeculationPolicy:
         if drafted <= 0:
             return
         rejected = accepted < drafted
-        if draft_seconds is not None and verify_seconds is not None:
-            self.costs.observe_draft(drafted, draft_seconds)
-            self.costs.observe_verify(drafted, verify_seconds)
+        if draft_seconds is not None:
+            self.costs.observe_draft(drafted, draft_seconds, self._context)
+        if verify_seconds is not None:
+            self.costs.observe_verify(drafted, verify_seconds, self._context)
         self.costs.observe_acceptance(accepted, rejected)
         self._history.append((drafted, accepted, int(rejected)))
         while sum(d for d, _, _ in self._history) - self._history[0][0] >= self.history_tokens:
@@ -132,12 +152,21 @@ class SpeculationPolicy:
             return
         self._after_probe(drafted, accepted)
 
-    def record_plain(self, seconds: float | None = None) -> None:
-        """A plain target step finished."""
+    def plain_rounds_planned(self) -> int:
+        """Plain steps the policy will ask for before it may decide otherwise
+        (the loop asks the target for them in one call)."""
+        if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
+            return UNBOUNDED
+        if self.mode is Mode.SPECULATING:
+            return 1
+        return max(1, self._interval - self._plain_rounds)
+
+    def record_plain(self, seconds: float | None = None, tokens: int = 1) -> None:
+        """Plain target decoding emitted ``tokens`` tokens (in ``seconds``, if measured)."""
         self._rounds += 1
-        if seconds is not None:
-            self.costs.observe_plain(seconds)
-        self._plain_rounds += 1
+        if seconds is not None and tokens > 0:
+            self.costs.observe_plain(seconds / tokens, self._context)
+        self._plain_rounds += tokens
 
     def draft_failed(self, error: BaseException) -> None:
         self._enter(Mode.DRAFT_FAILED, f"draft model failed: {error}")
@@ -153,11 +182,9 @@ class SpeculationPolicy:
     def _after_probe(self, drafted: int, accepted: int) -> None:
         self._plain_rounds = 0
         if self.mode is Mode.UNPROFITABLE:
-            # The probe refreshed the acceptance estimate; resume if any window now pays.
-            if self.costs.best_window(self.acceptance_estimate(), self.max_window)[0] > 0:
+            # The probe refreshed the estimates; resume if any window now pays.
+            if self.costs.best_window(self.acceptance_estimate(), self.max_window, self._context)[0] > 0:
                 self.mode = Mode.SPECULATING
-            else:
-                self._back_off()
             return
         self._probe_drafted += drafted
         self._probe_accepted += accepted

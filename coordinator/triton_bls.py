@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import secrets
+from contextlib import aclosing
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,10 +33,12 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class BlsEngine:
     """The loop's Engine protocol over a BLS call to a tensorrtllm-contract model."""
 
-    def __init__(self, model_name: str, special: SpecialTokens, seed_input: str = "random_seed"):
+    def __init__(self, model_name: str, special: SpecialTokens, seed_input: str = "random_seed",
+                 decoupled: bool = False):
         self.model_name = model_name
         self.special = special
         self.seed_input = seed_input
+        self.decoupled = decoupled
 
     async def generate(
         self,
@@ -46,36 +49,77 @@ class BlsEngine:
         draft_logits=None,
         return_logits: bool = False,
     ) -> EngineOutput:
-        tensors = engine_inputs(
-            input_ids,
-            max_new_tokens,
-            sampling,
-            end_id=self.special.end_id,
-            pad_id=self.special.pad_token_id,
-            draft_tokens=draft_tokens,
-            draft_logits=draft_logits,
-            return_logits=return_logits,
-            seed_input=self.seed_input,
-        )
+        tensors = self._inputs(input_ids, max_new_tokens, sampling, draft_tokens=draft_tokens,
+                               draft_logits=draft_logits, return_logits=return_logits)
+        tokens, logits = [], []
+        async with aclosing(self._responses(tensors, return_logits)) as responses:
+            async for response in responses:
+                new = _tokens(response)
+                if new is None:  # a decoupled model's final flag alone
+                    continue
+                tokens += new
+                if return_logits:
+                    tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
+                    if tensor is None:
+                        raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
+                    logits.append(generation_logits(tensor.as_numpy(), len(new)))
+        if not return_logits:
+            return EngineOutput(tokens, None)
+        return EngineOutput(tokens, np.concatenate(logits) if logits else np.zeros((0, 0), dtype=np.float32))
+
+    async def stream(self, input_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams):
+        """Plain decoding; the tokens as the engine generates them (one call)."""
+        tensors = self._inputs(input_ids, max_new_tokens, sampling, streaming=self.decoupled)
+        async with aclosing(self._responses(tensors, False)) as responses:
+            async for response in responses:
+                new = _tokens(response)
+                if new:
+                    yield new
+
+    def _inputs(self, input_ids, max_new_tokens, sampling, **options) -> dict:
+        return engine_inputs(input_ids, max_new_tokens, sampling, end_id=self.special.end_id,
+                             pad_id=self.special.pad_token_id, seed_input=self.seed_input, **options)
+
+    async def _responses(self, tensors: dict, return_logits: bool):
+        """The call's responses: one from a model that is not decoupled, a stream from one that is."""
         outputs = list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
         request = pb_utils.InferenceRequest(
             model_name=self.model_name,
             inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
             requested_output_names=outputs,
         )
-        response = await request.async_exec()
-        if response.has_error():
-            raise EngineError(f"{self.model_name}: {response.error().message()}")
-        output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids").as_numpy()
-        lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
-        tokens = generated_tokens(output_ids, lengths)
-        logits = None
-        if return_logits:
-            tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
-            if tensor is None:
-                raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
-            logits = generation_logits(tensor.as_numpy(), len(tokens))
-        return EngineOutput(tokens, logits)
+        if not self.decoupled:
+            responses = _as_async([await request.async_exec()])
+        else:
+            responses = _as_async(await request.async_exec(decoupled=True))
+        try:
+            async for response in responses:
+                if response.has_error():
+                    raise EngineError(f"{self.model_name}: {response.error().message()}")
+                yield response
+        finally:
+            # A reader that stops early (a cancelled request, a stop word) still
+            # takes the rest of the stream, so the engine's request is released.
+            async for _ in responses:
+                pass
+
+
+def _tokens(response) -> list[int] | None:
+    """The new tokens a response carries (None: a response without outputs)."""
+    output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+    if output_ids is None:
+        return None
+    lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
+    return generated_tokens(output_ids.as_numpy(), lengths)
+
+
+async def _as_async(responses):
+    if hasattr(responses, "__aiter__"):
+        async for response in responses:
+            yield response
+    else:
+        for response in responses:
+            yield response
 
 
 def _triton_instrument(families: dict[str, object], spec: MetricSpec):
@@ -99,8 +143,9 @@ class TritonPythonModel:
         self.settings = CoordinatorSettings.from_parameters(parameters)
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         seed_input = self.settings.engine_seed_input
-        self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input)
-        self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input)
+        decoupled = self.settings.engine_decoupled
+        self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled)
+        self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input, decoupled)
         self.costs = CostModel()  # server-wide engine timings and acceptance
         families: dict[str, object] = {}
         self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec))

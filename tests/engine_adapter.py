@@ -23,3 +23,16 @@ class LocalEngine:
             draft_logits=draft_logits, return_logits=return_logits,
         ))
         return EngineOutput(result.tokens, result.logits)
+
+    async def stream(self, input_ids, max_new_tokens, sampling: SamplingParams):
+        """Plain decoding in one call, its tokens one at a time as the engine generates them."""
+        streamed: list[list[int]] = []
+        call = self.engine.submit(
+            EngineRequest(np.asarray(input_ids, dtype=np.int32), max_new_tokens, sampling=sampling,
+                          end_id=self.end_id),
+            on_tokens=lambda _, tokens: streamed.append(list(tokens)))
+        while not call.finished:
+            self.engine.step()
+            while streamed:
+                yield streamed.pop(0)
+        self.engine.result(call)  # raises the call's error, if any

@@ -39,6 +39,7 @@ class ToyEngine:
         self.seeds: list[int] = []
         self.fail_with: Exception | None = None
         self.received_draft_logits: list[np.ndarray] = []
+        self.streamed: list[int] = []  # max_new_tokens of each streamed plain call
 
     async def generate(
         self, input_ids, max_new_tokens, sampling: SamplingParams, draft_tokens=(), draft_logits=None,
@@ -70,6 +71,13 @@ class ToyEngine:
             tokens = tokens[: tokens.index(self.end_id) + 1]
             logit_rows = logit_rows[: len(tokens)]
         return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None)
+
+    async def stream(self, input_ids, max_new_tokens, sampling: SamplingParams):
+        """Plain decoding in one call, a token at a time (as a streaming engine answers)."""
+        self.streamed.append(max_new_tokens)
+        output = await self.generate(input_ids, max_new_tokens, sampling)
+        for token in output.tokens:
+            yield [token]
 
     def _plain(self, context, max_new_tokens, sampling, end_id):
         fed: list[int] = []

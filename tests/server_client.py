@@ -88,3 +88,32 @@ def metric(body: str, name: str, **labels) -> float:
         return metric_value(body, name, **labels)
     except KeyError as missing:
         raise AssertionError(str(missing)) from None
+
+
+def engine_responses(server, model: str, tensors: dict, outputs, timeout: float = 120.0) -> list:
+    """A request straight to an engine model, over a gRPC stream as NVIDIA's
+    clients drive a decoupled tensorrt_llm model: its responses up to the
+    final one (an error response raises InferenceServerException)."""
+    import queue
+
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = [tensor(name, array, np_to_triton_dtype(array.dtype)) for name, array in tensors.items()]
+    answers: queue.Queue = queue.Queue()
+    results = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                                      enable_empty_final_response=True)
+            while True:
+                result, error = answers.get(timeout=timeout)
+                if error is not None:
+                    raise error
+                if result.as_numpy(outputs[0]) is not None:
+                    results.append(result)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return results
+        finally:
+            client.stop_stream()
+

@@ -1,9 +1,9 @@
-"""Row-invariant attention (coordinator/cpu_engine/attention.py).
+"""Per-sequence, row-invariant attention (coordinator/cpu_engine/attention.py).
 
-A decode row's attention output must be bitwise the same whether the row is
-decoded alone (a plain step: a block of decode_rows rows with one real row) or
-verified inside a block with other real rows and padding. The fast tests check
-that on random tensors; the slow one on the real target, end to end.
+A row's attention output must be bitwise the same whether the row is decoded
+alone (a plain step), verified with other rows, computed in a prompt's
+prefill, or in a packed forward next to other sequences. The fast tests check
+that on random tensors; the slow ones on the real target, end to end.
 """
 
 import itertools
@@ -19,7 +19,7 @@ SEQUENCE = 704  # positions 0..703: key lengths 1..704
 # Block starts around canonical-length boundaries (a block straddling one is
 # computed in two passes) and in between.
 OFFSETS = sorted({0, 1, 5, 30, 57, 58, 59, 63, 64, 100, 121, 125, 127, 128, 190, 250, 255, 256, 300, 383, 444,
-                  505, 509, 512, 600, 639, 640, 690, SEQUENCE - 8})
+                  505, 509, 512, 600, 639, 640, 690, SEQUENCE - 12})
 # (query heads, key/value heads, head dim): grouped-query (the 1.5B target's 12/2), multi-query, multi-head
 HEADS = [(12, 2, 128), (14, 2, 64), (8, 1, 64), (4, 4, 32)]
 
@@ -32,15 +32,8 @@ def threads(request):
     torch.set_num_threads(previous)
 
 
-def attend(query, key, value, real, scaling=0.125):
-    """The module's forward for one block: query [1, heads, rows, d], key/value [1, kv_heads, keys, d]."""
-    with attention.real_rows(real):
-        output, _ = attention.row_invariant_attention(None, query, key, value, None, scaling)
-    return output  # [1, rows, heads, d]
-
-
 class Sequence:
-    """Queries, keys and values of one token sequence; padding rows get fresh random values."""
+    """Queries, keys and values of one token sequence."""
 
     def __init__(self, heads, kv_heads, dim, dtype, seed=0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -51,45 +44,99 @@ class Sequence:
     def random(self, heads, rows):
         return torch.randn(1, heads, rows, self.dim, generator=self.generator).to(self.dtype)
 
-    def block(self, offset, real, rows):
-        """Attention output of a block of ``rows`` rows at ``offset`` whose first ``real`` rows are real."""
-        padding = rows - real
-        end = offset + real
-        query = torch.cat([self.query[:, :, offset:end], self.random(self.heads, padding)], dim=2)
-        key = torch.cat([self.key[:, :, :end], self.random(self.kv_heads, padding)], dim=2)
-        value = torch.cat([self.value[:, :, :end], self.random(self.kv_heads, padding)], dim=2)
-        return attend(query, key, value, real)
+    def rows(self, offset, count, later_keys=0):
+        """Attention output [1, count, heads, d] of rows offset..offset+count-1; the
+        keys may run ``later_keys`` past the last row (a longer block's own keys)."""
+        end = offset + count
+        keys = end + later_keys
+        return attention.attend_rows(self.query[:, :, offset:end], self.key[:, :, :keys], self.value[:, :, :keys],
+                                     offset, 0.125)
 
 
-def check_rows(sequence, rows, reals):
-    alone = {}  # position -> the row as a plain step computes it (a block with one real row)
+def check_rows(sequence, counts):
+    alone = {}  # position -> the row as a plain step computes it
     for offset in OFFSETS:
-        for real in reals:
-            output = sequence.block(offset, real, rows)
-            assert output.shape == (1, rows, sequence.heads, sequence.dim)
-            for row in range(real):
+        for count in counts:
+            output = sequence.rows(offset, count)
+            assert output.shape == (1, count, sequence.heads, sequence.dim)
+            for row in range(count):
                 position = offset + row
                 if position not in alone:
-                    alone[position] = sequence.block(position, 1, rows)[:, 0]
-                assert torch.equal(output[:, row], alone[position]), (rows, offset, real, row)
-            assert not output[:, real:].any()  # padding rows are not computed
+                    alone[position] = sequence.rows(position, 1)[:, 0]
+                assert torch.equal(output[:, row], alone[position]), (offset, count, row)
 
 
 @pytest.mark.parametrize("threads", [1], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("heads,kv_heads,dim", HEADS)
 def test_a_row_in_a_block_equals_the_row_decoded_alone(heads, kv_heads, dim, dtype, threads):
-    sequence = Sequence(heads, kv_heads, dim, dtype)
-    for rows in range(1, 9):  # decode_rows
-        reals = range(1, 9) if rows == 8 else sorted({1, 2, rows // 2, rows - 1, rows} & set(range(1, rows + 1)))
-        check_rows(sequence, rows, reals)
+    # 1..8 rows: a plain step and verifications of up to 7 drafts; 9 and 12:
+    # more rows than one attention block (a prefill chunk, a long verification)
+    check_rows(Sequence(heads, kv_heads, dim, dtype), (1, 2, 3, 5, 7, 8, 9, 12))
 
 
 @pytest.mark.parametrize("threads", [2], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_targets_shapes_on_two_threads(dtype, threads):
-    # the engine's configuration: the 1.5B target's heads, decode_rows 8, 2 threads
-    check_rows(Sequence(12, 2, 128, dtype), 8, (1, 2, 5, 8))
+    check_rows(Sequence(12, 2, 128, dtype), (1, 2, 5, 8, 11))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_whole_prefill_equals_its_rows_decoded_one_by_one(dtype):
+    sequence = Sequence(12, 2, 128, dtype, seed=3)
+    prefill = sequence.rows(0, 300)
+    for position in (0, 7, 8, 63, 64, 65, 199, 299):
+        assert torch.equal(prefill[:, position], sequence.rows(position, 1)[:, 0]), position
+
+
+def test_packed_segments_are_attended_each_against_their_own_keys():
+    """Three sequences and padding in one packed block: each sequence's rows come
+    out as if it were alone, its keys are appended to its own cache, padding is 0."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 12, 2, 64
+    caches, cached = [], (5, 70, 130)
+    for length in cached:
+        kv = attention.SequenceKV(layers=1)
+        kv.append(0, torch.randn(1, kv_heads, length, dim).bfloat16(), torch.randn(1, kv_heads, length, dim).bfloat16())
+        caches.append(kv)
+    new_rows = (1, 5, 3)
+    total = sum(new_rows) + 2  # two padding rows
+    query = torch.randn(1, heads, total, dim).bfloat16()
+    key = torch.randn(1, kv_heads, total, dim).bfloat16()
+    value = torch.randn(1, kv_heads, total, dim).bfloat16()
+    segments, start = [], 0
+    for kv, rows in zip(caches, new_rows):
+        segments.append(attention.Segment(start, start + rows, kv))
+        start += rows
+    segments.append(attention.Segment(start, total, None))
+    expected = []
+    for kv, segment in zip(caches, segments):
+        keys = torch.cat([kv.keys[0], key[:, :, segment.start:segment.stop]], dim=2)
+        values = torch.cat([kv.values[0], value[:, :, segment.start:segment.stop]], dim=2)
+        expected.append(attention.attend_rows(query[:, :, segment.start:segment.stop], keys, values,
+                                              kv.get_seq_length(), 0.1))
+
+    class Layer:
+        layer_idx = 0
+
+    with attention.packed(segments):
+        output, _ = attention.packed_attention(Layer(), query, key, value, None, 0.1)
+    for kv, segment, want, length, rows in zip(caches, segments, expected, cached, new_rows):
+        assert torch.equal(output[:, segment.start:segment.stop], want)
+        assert kv.get_seq_length() == length + rows
+    assert not output[:, start:].any()
+    caches[1].crop(72)
+    assert caches[1].get_seq_length() == 72
+
+
+def test_outside_a_packed_forward_it_is_causal_attention_over_one_sequence():
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 4, 3, 16, generator=generator)
+    key, value = torch.randn(1, 2, 10, 16, generator=generator), torch.randn(1, 2, 10, 16, generator=generator)
+    output, _ = attention.packed_attention(None, query, key, value, None, 0.25)
+    assert torch.allclose(output.double(), reference(query, key, value, 0.25, offset=7), atol=1e-5)
+    with pytest.raises(ValueError, match="one sequence"):
+        attention.packed_attention(None, query.expand(2, -1, -1, -1), key, value, None, 0.25)
 
 
 def reference(query, key, value, scaling, offset, sliding_window=None):
@@ -115,7 +162,7 @@ def test_attention_is_causal_attention(queries, offset, dtype, tolerance, slidin
     query = torch.randn(1, 12, queries, 64, generator=generator).to(dtype)
     key = torch.randn(1, 2, offset + queries, 64, generator=generator).to(dtype)
     value = torch.randn(1, 2, offset + queries, 64, generator=generator).to(dtype)
-    output, _ = attention.row_invariant_attention(None, query, key, value, None, 0.125, sliding_window=sliding_window)
+    output = attention.attend_rows(query, key, value, offset, 0.125, sliding_window=sliding_window)
     expected = reference(query, key, value, 0.125, offset, sliding_window)
     assert output.shape == (1, queries, 12, 64) and output.dtype == dtype
     assert torch.allclose(output.double(), expected, atol=tolerance, rtol=0)
@@ -145,7 +192,7 @@ def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
     from coordinator.bench import load_humaneval
     from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
 
-    engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2, decode_rows=8)
+    engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
     problems = load_humaneval()
     for task in ("HumanEval/0", "HumanEval/5", "HumanEval/17"):
@@ -165,3 +212,38 @@ def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
                 assert verified.tokens == plain.tokens[start:stop], (task, chain, start, drafts)
                 assert np.array_equal(verified.logits, plain.logits[start:stop]), (task, chain, start, drafts)
                 start = stop
+
+
+@pytest.mark.slow
+def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
+    """In-flight batching: a request's tokens and logits are bitwise the same
+    whether the target serves it alone or in forwards shared with other
+    sequences (plain decoding, verifications and prompt prefills of others)."""
+    from tokenizers import Tokenizer
+
+    from coordinator.bench import load_humaneval
+    from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+
+    engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2, max_cached_sequences=0)
+    tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
+    problems = load_humaneval()
+    prompts = [tokenizer.encode(problems[task], add_special_tokens=True).ids
+               for task in ("HumanEval/2", "HumanEval/11", "HumanEval/23")]
+    alone = engine.run(EngineRequest(np.array(prompts[0]), 12, return_logits=True))
+    start = 5  # verify plain tokens 5.. with 4 drafts, next to the others
+    verify = EngineRequest(np.array(prompts[0] + alone.tokens[:start]), 5,
+                           draft_tokens=np.array(alone.tokens[start:start + 4]), return_logits=True)
+    crowd = [engine.submit(EngineRequest(np.array(prompts[0]), 12, return_logits=True)),
+             engine.submit(EngineRequest(np.array(prompts[1]), 9)),
+             engine.submit(verify),
+             engine.submit(EngineRequest(np.array(prompts[2] * 2), 3))]  # a prefill longer than the row budget
+    sizes = set()
+    while not all(call.finished for call in crowd):
+        engine.step()
+        sizes.add(engine.last_forward)
+    assert max(sequences for sequences, _ in sizes) >= 3  # the calls did share forwards
+    together = engine.result(crowd[0])
+    assert together.tokens == alone.tokens and np.array_equal(together.logits, alone.logits)
+    verified = engine.result(crowd[2])
+    assert verified.tokens == alone.tokens[start:start + 5]
+    assert np.array_equal(verified.logits, alone.logits[start:start + 5])

@@ -80,9 +80,14 @@ def test_engine_parameters_the_coordinator_relies_on(profile, role):
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_engines_are_called_the_same_way_in_every_profile(role):
-    """Batch dim on the wire and one response per request: the coordinator builds
-    the same BLS request for every profile, so these must agree."""
+    """Batch dim on the wire and responses read as a stream: the coordinator builds
+    the same BLS request for every profile, and reads the engines as decoupled
+    exactly where they are (its engine_decoupled setting)."""
     configs = {profile: model_config(engine_names(profile)[role], profile) for profile in profiles()}
     for profile, config in configs.items():
         assert config.max_batch_size >= 1, f"{config.name} ({profile}): the contract assumes a batch dim"
-        assert not config.model_transaction_policy.decoupled, f"{config.name} ({profile}) must not be decoupled"
+        coordinator = model_config("coordinator", profile)
+        decoupled = parameter(coordinator, "engine_decoupled") == "true"
+        assert config.model_transaction_policy.decoupled == decoupled, (
+            f"{config.name} ({profile}): decoupled must match the coordinator's engine_decoupled")
+    assert len({c.model_transaction_policy.decoupled for c in configs.values()}) == 1

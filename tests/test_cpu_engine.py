@@ -100,15 +100,50 @@ def test_auto_dtype_follows_native_bf16_support():
         resolve_dtype("int4")
 
 
-@pytest.mark.parametrize("rows", [0, 4, 8])
-def test_verification_matches_plain_decoding_with_and_without_fixed_rows(model_dir, rows):
-    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, decode_rows=rows)
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_verification_matches_plain_decoding(model_dir, row_invariant):
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant=row_invariant)
     plain = e.run(EngineRequest(PROMPT, 10, return_logits=True))
-    # verify the plain tokens 6 at a time (more than 4 rows: two padded blocks)
+    # verify the plain tokens 6 at a time
     verified = e.run(EngineRequest(PROMPT, 7, draft_tokens=np.array(plain.tokens[:6]), return_logits=True))
     assert verified.tokens == plain.tokens[:7]
-    if rows:  # fixed-shape forwards: bitwise-equal logits however the tokens were batched
+    if row_invariant:  # bitwise-equal logits however the tokens were batched
         assert np.array_equal(verified.logits, plain.logits[:7])
+
+
+def test_calls_in_one_forward_get_what_they_get_alone(model_dir):
+    e = engine(model_dir, cached=0)
+    prompts = [PROMPT, np.arange(1, 40), np.array([7, 7, 7])]
+    alone = [e.run(EngineRequest(p, 5, return_logits=True)) for p in prompts]
+    calls = [e.submit(EngineRequest(p, 5, return_logits=True)) for p in prompts]
+    while not all(call.finished for call in calls):
+        e.step()
+    for call, expected in zip(calls, alone):
+        result = e.result(call)
+        assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)
+
+
+def test_a_forward_that_fails_fails_its_calls_and_the_engine_goes_on(model_dir, monkeypatch):
+    e = engine(model_dir, cached=0)
+    call = e.submit(EngineRequest(PROMPT, 3))
+
+    def broken(works):
+        raise RuntimeError("kernel failure")
+
+    monkeypatch.setattr(e, "_forward", broken)
+    assert e.step() == [call]
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        e.result(call)
+    monkeypatch.undo()
+    assert len(e.run(EngineRequest(PROMPT, 3)).tokens) == 3
+
+
+def test_a_round_larger_than_the_row_budget_is_refused(model_dir):
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=8)
+    with pytest.raises(EngineRequestError, match="exceeds max_num_tokens 8"):
+        e.run(EngineRequest(PROMPT, 9, draft_tokens=np.arange(1, 9)))
+    with pytest.raises(ValueError, match="max_num_tokens must be at least 8"):
+        CausalLMEngine(str(model_dir), max_num_tokens=4)
 
 
 # ---- weight-only quantization (coordinator/cpu_engine/quantize.py) ----------------------
@@ -182,10 +217,11 @@ def test_unknown_scheme_and_group_size_are_rejected(model_dir):
         quantize.quantize_linear_layers(torch.nn.Linear(32, 32), "int4", group_size=48)
 
 
-@pytest.mark.parametrize("rows", [0, 4])
+@pytest.mark.parametrize("row_invariant", [True, False])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_engine_generates_and_verifies(model_dir, scheme, rows):
-    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, decode_rows=rows, weight_quantization=scheme)
+def test_quantized_engine_generates_and_verifies(model_dir, scheme, row_invariant):
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant=row_invariant,
+                       weight_quantization=scheme)
     # every linear layer, the tied lm_head included, is quantized (tiny model: hidden size 32, so int4
     # layers reading the hidden state use groups of 32; down_proj reads 64 inputs and keeps groups of 64)
     assert set(e.quantized_layers.values()) == ({"int8"} if scheme == "int8" else {"int4 g32", "int4 g64"})
@@ -194,7 +230,7 @@ def test_quantized_engine_generates_and_verifies(model_dir, scheme, rows):
     plain = e.run(EngineRequest(PROMPT, 10, return_logits=True))
     verified = e.run(EngineRequest(PROMPT, 7, draft_tokens=np.array(plain.tokens[:6]), return_logits=True))
     assert verified.tokens == plain.tokens[:7]
-    if rows:
+    if e.row_shape.fixed is None and row_invariant:
         assert np.array_equal(verified.logits, plain.logits[:7])
     # a prompt longer than quantize.DENSE_ROWS is prefilled with the original weights
     assert len(e.run(EngineRequest(np.arange(1, 2 * quantize.DENSE_ROWS), 3)).tokens) == 3

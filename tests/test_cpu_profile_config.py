@@ -23,10 +23,23 @@ def test_engines_declare_only_parameters_the_cpu_engine_knows():
         assert set(model_config(name, "cpu").parameters) <= KNOWN_PARAMETERS, name
 
 
-def test_target_decode_rows_cover_a_full_round():
+def test_a_full_round_fits_one_forward():
     # a verify forward carries the last token plus speculation_window drafts
-    rows = int(parameter(model_config("target", "cpu"), "decode_rows"))
-    assert rows >= coordinator_settings().speculation_window + 1
+    for name in ("target", "draft"):
+        rows = int(parameter(model_config(name, "cpu"), "max_num_tokens"))
+        assert rows >= coordinator_settings().speculation_window + 1, name
+
+
+def test_rows_are_invariant_and_the_coordinator_reads_the_engines_as_decoupled():
+    from coordinator.cpu_engine.quantize import DENSE_ROWS
+
+    for name in ("target", "draft"):
+        assert parameter(model_config(name, "cpu"), "row_invariant") == "true", name
+    # a quantized draft stays on one kernel (quantized below DENSE_ROWS rows, dense above) in every forward
+    assert int(parameter(model_config("draft", "cpu"), "max_num_tokens")) <= DENSE_ROWS
+    for name in ("target", "draft"):
+        assert model_config(name, "cpu").model_transaction_policy.decoupled, name
+    assert coordinator_settings().engine_decoupled
 
 
 def test_engine_context_covers_the_coordinator_limit():

@@ -130,10 +130,47 @@ def test_adaptive_goes_plain_when_nothing_pays_and_resumes_after_a_good_probe():
     assert policy.window() == 0 and policy.mode is Mode.UNPROFITABLE
     assert "predicted to beat plain" in policy.reason
     gap, k = plain_until_probe(policy)
-    assert gap == 8 and k == 2
+    # the probe measures the window the cost model rates best, even below plain decoding
+    assert gap == 8 and k == costs.likeliest_window(policy.acceptance_estimate(), 6) >= 1
+    policy.record(k, 0)
+    assert plain_until_probe(policy) == (8, k)  # still unprofitable: probed again as often, no back-off
     for _ in range(10):
         policy.record(2, 2)  # the draft became accurate
     assert policy.mode is Mode.SPECULATING and policy.window() > 0
+
+
+def test_costs_measured_at_long_contexts_do_not_change_a_short_requests_decision():
+    """The same request decides the same whatever ran before it: timings are
+    kept per context bucket, and a bucket with nothing measured starts from
+    the priors, not from another bucket's numbers."""
+    def first_windows(costs):
+        policy = SpeculationPolicy(5, 0.3, costs=costs, first_round_plain=False)
+        windows = []
+        for _ in range(6):
+            k = policy.window(context=150)
+            windows.append(k)
+            policy.record(k, k) if k else policy.record_plain()
+        return windows
+
+    fresh = first_windows(CostModel())
+    after_long = CostModel()
+    for _ in range(50):  # long prompts where verifying was expensive and the draft slow
+        after_long.observe_plain(0.2, context=2000)
+        after_long.observe_draft(4, 0.4, context=2000)
+        after_long.observe_verify(4, 0.5, context=2000)
+    assert after_long.best_window(0.9, 5, context=2000)[0] == 0
+    assert first_windows(after_long) == fresh and fresh[-1] == 5
+
+
+def test_costs_are_kept_per_load():
+    costs = CostModel()
+    costs.observe_plain(0.2, streams=1)
+    costs.observe_verify(4, 0.22, streams=1)
+    costs.observe_plain(0.3, streams=8)
+    costs.observe_verify(4, 0.9, streams=8)  # eight streams' verifications fill the forwards
+    assert abs(costs.verify_cost(4, streams=1) - 1.1) < 1e-9 and abs(costs.verify_cost(4, streams=8) - 3.0) < 1e-9
+    costs.streams = 7  # the load now: the 5-8 bucket
+    assert abs(costs.verify_cost(4) - 3.0) < 1e-9
 
 
 def test_new_requests_start_from_the_server_wide_acceptance():

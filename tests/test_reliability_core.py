@@ -145,7 +145,8 @@ def test_draft_timeout_is_counted_as_a_draft_failure_in_the_metrics():
     recorder = MetricsRecorder(make)
     metrics = recorder.start_request()
     settings = CoordinatorSettings(draft_timeout_seconds=0.02)
-    target = ToyEngine(small_vocab_logits)
+    target = SlowDraft(0.01)  # the draft's prompt prefill runs behind the target's first rounds
+    target.logits_fn = small_vocab_logits
     draft = SlowDraft(0.2)
     draft.logits_fn = small_vocab_logits
 

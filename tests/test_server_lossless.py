@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from tokenizers import Tokenizer
-from tritonclient.utils import np_to_triton_dtype
 
 from coordinator.engine_io import engine_inputs, generated_tokens, generation_logits
 from coordinator.sampling import SamplingParams, processed_probs
-from tests.server_client import complete, concurrently, humaneval_prompts, tensor
+from tests.server_client import complete, concurrently, engine_responses, humaneval_prompts
 from tests.stats import gof_pvalue
 
 pytestmark = pytest.mark.slow
@@ -31,17 +29,19 @@ def tokenizer(real_target_dir) -> Tokenizer:
 
 
 def engine_call(server, model, input_ids, max_new_tokens, *, end_id, return_logits=False):
-    """A request to an engine shaped as NVIDIA's clients send it ([1, n] tensors)."""
+    """A request to an engine shaped as NVIDIA's clients send it ([1, n] tensors):
+    the responses' tokens, sequence lengths and (when asked) logits, joined."""
     tensors = engine_inputs(input_ids, max_new_tokens, SamplingParams(), end_id=end_id, pad_id=end_id,
                             return_logits=return_logits)
-    inputs = [tensor(name, array, np_to_triton_dtype(array.dtype)) for name, array in tensors.items()]
     outputs = ["output_ids", "sequence_length"] + (["generation_logits"] if return_logits else [])
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
-                              client_timeout=120)
-    tokens = generated_tokens(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
-    logits = generation_logits(result.as_numpy("generation_logits"), len(tokens)) if return_logits else None
-    return tokens, result.as_numpy("sequence_length"), logits
+    tokens, lengths, rows = [], [], []
+    for result in engine_responses(server, model, tensors, outputs):
+        new = generated_tokens(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
+        tokens += new
+        lengths.append(result.as_numpy("sequence_length"))
+        if return_logits:
+            rows.append(generation_logits(result.as_numpy("generation_logits"), len(new)))
+    return tokens, np.concatenate(lengths), np.concatenate(rows) if return_logits else None
 
 
 # ---------------------------------------------------------------------------

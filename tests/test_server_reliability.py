@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from coordinator.client import MODEL, build_inputs, stream_completion
 from coordinator.engine_io import engine_inputs
@@ -23,7 +23,7 @@ from coordinator.sampling import SamplingParams
 from coordinator.soak import process_tree, sample_memory
 from coordinator.serving.launch import PROJECT_ROOT, ServerOptions
 from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server
-from tests.server_client import (complete, concurrently, grpc_error, http_status, humaneval_prompts, metric,
+from tests.server_client import (engine_responses, complete, concurrently, grpc_error, http_status, humaneval_prompts, metric,
                                  metrics_text, tensor)
 
 pytestmark = pytest.mark.slow
@@ -425,11 +425,9 @@ def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
 
 
 def engine_call(server, model, input_ids, max_new_tokens):
-    """One tensorrtllm-contract request straight to an engine model (not decoupled)."""
+    """One tensorrtllm-contract request straight to an engine model."""
     tensors = engine_inputs(input_ids, max_new_tokens, SamplingParams(), end_id=0, pad_id=0)
-    inputs = [tensor(name, array, np_to_triton_dtype(array.dtype)) for name, array in tensors.items()]
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        return client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids")], client_timeout=60)
+    return engine_responses(server, model, tensors, ["output_ids"], timeout=60)
 
 
 @pytest.mark.parametrize("model", ["target", "draft"])

@@ -1,67 +1,99 @@
-"""Row-invariant attention for the CPU engine.
+"""Per-sequence, row-invariant attention for the CPU engine's packed forwards.
+
+The engine batches calls of many sequences into one forward (in-flight
+batching): their new tokens are rows of one packed block, the linear layers
+run over all rows at once, and attention runs per sequence against that
+sequence's own keys and values (``SequenceKV``). This module is that
+attention, registered with transformers under ``NAME``.
 
 Speculation is lossless only if a token's logits are the same whether the
-target decodes it alone or verifies it with k draft tokens in one forward.
-Library attention kernels do not promise that: the reduction over keys is
-split by the kernel (and its threads) according to the total key length of the
-forward, so a query row's rounding depends on where the block started.
+target decodes it alone, verifies it with k draft tokens, or computes it in a
+forward shared with other sequences. Library attention kernels do not promise
+that: the reduction over keys is split according to the total key length of
+the forward, so a row's rounding depends on where its block started. Here
+every operation a row goes through has a shape fixed by the row's own
+absolute position p, never by the rest of the forward:
 
-Here every operation a decode row goes through has a shape fixed by the row's
-own absolute position p and the block size (the engine's decode_rows), never by
-the rest of the block:
-
+* a sequence's rows are attended in blocks of exactly ``BLOCK_ROWS`` query
+  rows (the last block zero-padded), so no attention matmul sees a different M;
 * the key range is canonical: keys 0..L(p)-1 with L(p) = p + 1 rounded up to a
   multiple of KEY_BLOCK (zero-padded past the cache), keys after p masked out
-  (probabilities exactly 0);
-* all rows of the block (padding rows included) form the rows of the same
-  matmuls, whichever of them are real, so no kernel sees a different M.
+  (probabilities exactly 0).
 
-Rows that share L(p) (nearly always all real rows of a block) are therefore
-computed together in one pass; a block that straddles a KEY_BLOCK boundary
-takes one pass per length. A row's output is then bitwise the same whether it
-is decoded alone (a block with one real row) or verified with the k rows around
-it: other rows only change other rows of the matmuls and masked-out keys, whose
-scores are replaced by -inf and whose values are multiplied by exact zeros.
-tests/test_attention.py checks this on random tensors and on the real target.
+Rows of a block that share L(p) are computed in one pass; a block that
+straddles a KEY_BLOCK boundary takes one pass per length. Other rows only
+change other rows of the matmuls and masked-out keys, whose scores become
+-inf and whose values are multiplied by exact zeros: a row's output is bitwise
+the same alone, in a verification block, in a prompt's prefill, or next to
+other sequences. tests/test_attention.py checks this on random tensors and on
+the real target. (The linear layers' side of the same promise is measured at
+start-up: coordinator/cpu_engine/rows.py.)
 
-Both rules are needed (measured with that test's check on this AMX CPU): one
-pass over the exact keys 0..last row differs from the row alone for ~1% of bf16
-rows and ~25% of fp32 rows (softmax and probs @ V round differently once
-trailing -inf/zero keys are added); one pass over the block's largest canonical
-length differs too (~1% bf16, ~4% fp32); canonical lengths with only the real
-rows in the matmuls (M varying with the block) differ for some bf16 and fp32
-shapes. The previous row-by-row loop was invariant but cost ~12 ms per real row
-per forward (1.5B target, 300-token context); this costs ~7 ms per forward.
-
-Long blocks (prompt prefill, identical in plain and speculative decoding) use a
-chunked causal path to keep memory bounded.
+Prompt prefill goes through the same blocks, so a prompt's keys and values do
+not depend on how its prefill was chunked between forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
-NAME = "specdec_row_invariant"
-ROW_BY_ROW_MAX_QUERIES = 16  # blocks up to this many rows are decode blocks
-PREFILL_CHUNK = 256
+NAME = "specdec_packed"
+BLOCK_ROWS = 8  # query rows per attention block (a verification of up to 7 drafts is one block)
 KEY_BLOCK = 64  # canonical key lengths are multiples of this
 
-# Rows of the current block that carry real tokens; the rest is padding whose
-# outputs are discarded (and which no real row can attend to: it comes last).
-_real_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("real_rows", default=None)
+class SequenceKV:
+    """Keys and values of one sequence, per layer ([kv_heads, length, dim] with
+    a leading batch dimension of 1); what the prefix-cache pool keeps."""
+
+    def __init__(self, layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys[-1] is None else int(self.keys[-1].shape[2])
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            key = torch.cat([self.keys[layer], key], dim=2)
+            value = torch.cat([self.values[layer], value], dim=2)
+        self.keys[layer], self.values[layer] = key, value
+        return key, value
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        for layer, key in enumerate(self.keys):
+            if key is not None and key.shape[2] > length:
+                self.keys[layer] = key[:, :, :length].clone()
+                self.values[layer] = self.values[layer][:, :, :length].clone()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``start:stop`` of a packed forward: new tokens of the sequence
+    ``kv`` at positions ``kv length``.. (kv None: padding rows, not attended)."""
+
+    start: int
+    stop: int
+    kv: SequenceKV | None
+
+
+_segments: contextvars.ContextVar[Sequence[Segment] | None] = contextvars.ContextVar("segments", default=None)
 
 
 @contextlib.contextmanager
-def real_rows(count: int):
-    token = _real_rows.set(count)
+def packed(segments: Sequence[Segment]):
+    """The layout of the packed forward run inside this block."""
+    token = _segments.set(tuple(segments))
     try:
         yield
     finally:
-        _real_rows.reset(token)
+        _segments.reset(token)
 
 
 def canonical_length(position: int) -> int:
@@ -69,17 +101,42 @@ def canonical_length(position: int) -> int:
     return -(-(position + 1) // KEY_BLOCK) * KEY_BLOCK
 
 
-def row_invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None,
-                            **kwargs):
-    """query [b, heads, q, d]; key/value [b, kv_heads, kv, d] (the cache plus this block)."""
-    queries, keys = query.shape[2], key.shape[2]
-    offset = keys - queries  # absolute position of the block's first row
-    computed = queries if _real_rows.get() is None else min(_real_rows.get(), queries)
-    if queries > ROW_BY_ROW_MAX_QUERIES:
-        output = _chunked_causal(query, key, value, offset, computed, scaling, sliding_window)
-    else:
-        output = _decode_block(query, key, value, offset, computed, scaling, sliding_window)
-    return output.transpose(1, 2).contiguous(), None
+def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None,
+                     **kwargs):
+    """query/key/value [1, heads, rows, d] over all rows of the packed forward
+    (after rotary embedding); returns [1, rows, heads, d]. Each segment's new
+    keys and values are appended to its sequence first. Outside a packed
+    forward (a plain ``model(...)`` call) it is causal attention over the one
+    sequence's keys."""
+    segments = _segments.get()
+    batch, heads, rows, dim = query.shape
+    if segments is None:  # an ordinary forward of one sequence (key/value: its cache and the new rows)
+        if batch != 1:
+            raise ValueError(f"{NAME} attention serves one sequence per forward outside the engine, got {batch}")
+        return attend_rows(query, key, value, key.shape[2] - rows, scaling, sliding_window), None
+    output = query.new_zeros(batch, rows, heads, dim)
+    for segment in segments:
+        if segment.kv is None:
+            continue
+        rows_of = slice(segment.start, segment.stop)
+        keys, values = segment.kv.append(module.layer_idx, key[:, :, rows_of], value[:, :, rows_of])
+        offset = keys.shape[2] - (segment.stop - segment.start)
+        output[:, rows_of] = attend_rows(query[:, :, rows_of], keys, values, offset, scaling, sliding_window)
+    return output, None
+
+
+def attend_rows(query, key, value, offset, scaling, sliding_window=None):
+    """Rows at positions offset.. (query [1, heads, n, d]) against key/value
+    [1, kv_heads, >= offset + n, d], in blocks of BLOCK_ROWS; returns [1, n, heads, d]."""
+    count = query.shape[2]
+    blocks = []
+    for start in range(0, count, BLOCK_ROWS):
+        real = min(BLOCK_ROWS, count - start)
+        block = query[:, :, start : start + real]
+        if real < BLOCK_ROWS:
+            block = torch.nn.functional.pad(block, (0, 0, 0, BLOCK_ROWS - real))
+        blocks.append(_decode_block(block, key, value, offset + start, real, scaling, sliding_window)[:, :, :real])
+    return torch.cat(blocks, dim=2).transpose(1, 2)
 
 
 def _decode_block(query, key, value, offset, computed, scaling, sliding_window):
@@ -116,30 +173,4 @@ def _keys(states, length):
     return torch.nn.functional.pad(states, (0, 0, 0, length - have))
 
 
-def _chunked_causal(query, key, value, offset, computed, scaling, sliding_window):
-    batch, heads, queries, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    # [b, kv_heads, groups, q, d] against [b, kv_heads, 1, kv, d]: grouped-query attention
-    query = query.reshape(batch, kv_heads, groups, queries, dim)
-    key, value = key.unsqueeze(2), value.unsqueeze(2)
-    outputs = []
-    for start in range(0, computed, PREFILL_CHUNK):
-        stop = min(start + PREFILL_CHUNK, computed)
-        end = offset + stop  # keys visible to the chunk's last row
-        first = 0 if sliding_window is None else max(0, offset + start - sliding_window + 1)
-        scores = torch.matmul(query[:, :, :, start:stop], key[:, :, :, first:end].transpose(-1, -2)) * scaling
-        rows = torch.arange(offset + start, offset + stop).unsqueeze(1)
-        cols = torch.arange(first, end).unsqueeze(0)
-        hidden = cols > rows
-        if sliding_window is not None:
-            hidden |= cols <= rows - sliding_window
-        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-        outputs.append(torch.matmul(probs, value[:, :, :, first:end]))
-    if computed < queries:
-        outputs.append(query.new_zeros(batch, kv_heads, groups, queries - computed, dim))
-    return torch.cat(outputs, dim=3).view(batch, heads, queries, dim)
-
-
-AttentionInterface.register(NAME, row_invariant_attention)
+AttentionInterface.register(NAME, packed_attention)

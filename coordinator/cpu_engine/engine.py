@@ -1,12 +1,20 @@
-"""The CPU reference engine: one transformers causal LM, greedy/sampled
-generation, one-pass verification of draft tokens, prefix KV-cache reuse.
+"""The CPU reference engine: one transformers causal LM serving many calls at
+once (in-flight batching, coordinator/cpu_engine/scheduler.py), greedy or
+sampled generation, one-pass verification of draft tokens, prefix KV-cache
+reuse.
 
 Semantics follow TensorRT-LLM's ``draft_tokens_external`` mode
 (coordinator/engine_semantics.py): with k draft tokens the engine runs one
 forward pass over the new tokens plus the k drafts and returns the accepted
 prefix plus one token of its own; acceptance is token matching, or rejection
 sampling against softmax(draft_logits) when they are given. The end token is
-not returned, and each call's random numbers come from its own seed."""
+not returned, and each call's random numbers come from its own seed.
+
+Every forward is packed: the new tokens of all calls it carries are rows of
+one block through the linear layers, attention runs per sequence
+(coordinator/cpu_engine/attention.py), and the number of rows follows the
+row shape measured at start-up (coordinator/cpu_engine/rows.py), so a row's
+logits do not depend on what else the forward carried."""
 
 from __future__ import annotations
 
@@ -17,12 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
-from coordinator.cpu_engine import attention as attention_module
+from coordinator.cpu_engine import attention
 from coordinator.cpu_engine.kv_pool import PrefixCachePool
 from coordinator.cpu_engine.quantize import check_scheme, quantize_linear_layers
-from coordinator import engine_semantics
+from coordinator.cpu_engine.rows import RowShape, measure_row_shape
+from coordinator.cpu_engine.scheduler import Call, Scheduler, Work
 from coordinator.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,9 +44,12 @@ KNOWN_PARAMETERS = {
     "max_context_tokens",
     "exclude_input_in_output",
     "enable_kv_cache_reuse",
-    "decode_rows",
+    "max_num_tokens",
+    "row_invariant",
     "weight_quantization",
 }
+# Neither layer type is masked by transformers: packed_attention masks per sequence.
+_NO_MASKS = {"full_attention": None, "sliding_attention": None}
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 
 
@@ -105,6 +117,9 @@ def release_free_heap() -> bool:
 
 
 class CausalLMEngine:
+    """``submit`` calls and ``step`` forwards (the Triton model does both from
+    its own threads); ``run`` serves one request to its end."""
+
     def __init__(
         self,
         model_dir: str,
@@ -112,50 +127,92 @@ class CausalLMEngine:
         num_threads: int = 2,
         max_cached_sequences: int = 8,
         max_context_tokens: int = 4096,
-        decode_rows: int = 0,
+        max_num_tokens: int = 64,
+        row_invariant: bool = True,
         weight_quantization: str = "none",
     ):
         self.dtype = resolve_dtype(dtype)
-        if decode_rows < 0:
-            raise ValueError(f"decode_rows must be >= 0, got {decode_rows}")
+        if max_num_tokens < attention.BLOCK_ROWS:
+            raise ValueError(f"max_num_tokens must be at least {attention.BLOCK_ROWS}, got {max_num_tokens}")
         # none, int8 or int4 weight-only linear layers (coordinator/cpu_engine/quantize.py):
         # for the draft, whose precision only changes the acceptance rate.
         self.weight_quantization = check_scheme(weight_quantization)
-        self.decode_rows = decode_rows
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
-        # Fixed-row decoding also needs attention whose per-row result does not
-        # depend on the rest of the block (see coordinator/cpu_engine/attention.py).
-        attention = {"attn_implementation": attention_module.NAME} if decode_rows > 0 else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[self.dtype], **attention)
+        self.num_threads = num_threads
+        self.bind_thread()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=DTYPES[self.dtype], attn_implementation=attention.NAME)
         self.model.eval()
         self.quantized_layers = quantize_linear_layers(self.model, weight_quantization)
         self.vocab_size = int(self.model.config.vocab_size)
+        self.layers = int(self.model.config.num_hidden_layers)
         self.max_context_tokens = max_context_tokens
         self.pool = PrefixCachePool(max_cached_sequences)
+        # The target's rows must not depend on their batch-mates (lossless greedy
+        # speculation); the draft only proposes, so it skips the measurement.
+        self.row_shape = (measure_row_shape(self.model, max_num_tokens, attention.BLOCK_ROWS) if row_invariant
+                          else RowShape(floor=1, budget=max_num_tokens))
+        self.scheduler = Scheduler(self.row_shape.capacity)
+        self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
         release_free_heap()
 
-    @torch.inference_mode()
-    def run(self, request: EngineRequest) -> EngineResult:
+    def bind_thread(self) -> None:
+        """Use ``num_threads`` threads for the calling thread's forwards (OpenMP's
+        setting is per thread: the thread that runs the forwards must call this)."""
+        if self.num_threads > 0:
+            torch.set_num_threads(self.num_threads)
+
+    def submit(self, request: EngineRequest, on_tokens=None) -> Call:
+        """Check a request and queue it for the next forwards (EngineRequestError when it is invalid)."""
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
-        cache, reused = self.pool.take(input_ids)
-        if cache is None:
-            cache = DynamicCache(config=self.model.config)
+        sequence, reused = self.pool.take(input_ids)
+        if sequence is None:
+            sequence = attention.SequenceKV(self.layers)
         else:
-            cache.crop(reused - cache.get_seq_length())
-        # Everything but the last input token goes in as context; the last one
-        # is decoded (alone or with the drafts) so its logits come out.
-        self._prefill(input_ids[reused:-1], cache)
-        if drafts:
-            result, cached_tokens = self._verify(request, input_ids, drafts, cache)
-        else:
-            result, cached_tokens = self._generate(request, input_ids, cache)
-        # Only a cache that finished cleanly goes back to the pool.
-        self.pool.put(cached_tokens, cache)
-        result.reused_tokens = reused
-        return result
+            sequence.crop(reused)
+        call = Call(input_ids, request.max_new_tokens, request.sampling, request.end_id, drafts,
+                    request.draft_logits, sequence, reused, on_tokens, request.return_logits)
+        self.scheduler.add(call)
+        return call
+
+    def pending(self) -> int:
+        return len(self.scheduler)
+
+    @torch.inference_mode()
+    def step(self) -> list[Call]:
+        """One forward over what the scheduler picks; returns the calls it finished.
+        A finished call's cache goes back to the pool; a failed call's is dropped."""
+        works = self.scheduler.next_forward()
+        if not works:
+            return []
+        try:
+            logits = self._forward(works)
+        except Exception as error:  # the calls of this forward fail; the engine keeps serving
+            return self.scheduler.fail_all(works, error)
+        done = self.scheduler.finish(works, logits)
+        for call in done:
+            if call.result is not None:
+                tokens = call.cached_tokens()
+                call.sequence.crop(tokens.size)
+                self.pool.put(tokens, call.sequence)
+        return done
+
+    def run(self, request: EngineRequest) -> EngineResult:
+        call = self.submit(request)
+        while not call.finished:
+            self.step()
+        return self.result(call)
+
+    def result(self, call: Call) -> EngineResult:
+        """The finished call's result (its error raised)."""
+        if call.error is not None:
+            raise call.error
+        logits = None
+        if call.return_logits:
+            rows = [np.asarray(row, dtype=np.float32) for row in call.result.logits]
+            logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
+        return EngineResult(list(call.result.tokens), logits, call.reused)
 
     def _check(self, request: EngineRequest, input_ids: np.ndarray, drafts: list[int]) -> None:
         if input_ids.size == 0:
@@ -171,6 +228,9 @@ class CausalLMEngine:
                 f"input_ids ({input_ids.size} tokens) plus request_output_len exceeds max_context_tokens "
                 f"{self.max_context_tokens}"
             )
+        if len(drafts) + 1 > self.row_shape.capacity:
+            raise EngineRequestError(
+                f"draft_input_ids ({len(drafts)} tokens) plus one exceeds max_num_tokens {self.row_shape.capacity}")
         if request.draft_logits is not None and drafts:
             shape = tuple(np.shape(request.draft_logits))
             if shape != (len(drafts), self.vocab_size):
@@ -179,61 +239,43 @@ class CausalLMEngine:
                     f"(draft tokens x vocabulary), got {list(shape)}"
                 )
 
-    def _forward(self, tokens, cache: DynamicCache, logits_to_keep: int = 0) -> torch.Tensor:
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).unsqueeze(0)
-        output = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
-        return output.logits[0].float()
-
-    def _prefill(self, tokens: np.ndarray, cache: DynamicCache) -> None:
-        """Put context tokens into the cache (no logits needed)."""
-        if len(tokens):
-            self._forward(tokens, cache, logits_to_keep=1)
-
-    def _decode(self, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
-        """Logits for each of ``tokens``, computed in forwards of exactly ``decode_rows`` rows.
-
-        CPU kernels pick different code paths (and so different rounding) for
-        different numbers of rows; with a fixed shape, a token's logits do not
-        depend on whether it was decoded alone or verified with k others, so
-        greedy speculation is bitwise-identical to plain decoding. Padding rows
-        come after the real ones (causal attention: they cannot change them)
-        and are cropped from the cache.
-        """
-        rows = self.decode_rows
-        if rows <= 0:
-            return self._forward(tokens, cache)
-        blocks = []
-        for start in range(0, len(tokens), rows):
-            block = list(tokens[start : start + rows])
-            real = len(block)
-            with attention_module.real_rows(real):
-                blocks.append(self._forward(block + [0] * (rows - real), cache)[:real])
-            if real < rows:
-                cache.crop(real - rows)
-        return torch.cat(blocks)
-
-    def _verify(self, request, input_ids, drafts, cache):
-        logits = self._decode([int(input_ids[-1]), *drafts], cache).numpy()
-        call = engine_semantics.verify(
-            logits, drafts, request.draft_logits, request.max_new_tokens, request.sampling, request.end_id
-        )
-        return self._result(request, input_ids, call, cache)
-
-    def _generate(self, request, input_ids, cache):
-        def step(token: int) -> np.ndarray:
-            return self._decode([token], cache)[-1].numpy()
-
-        call = engine_semantics.generate(
-            step, int(input_ids[-1]), request.max_new_tokens, request.sampling, request.end_id
-        )
-        return self._result(request, input_ids, call, cache)
-
-    def _result(self, request, input_ids, call, cache):
-        """The result, and the tokens whose KV the cache keeps (the cache is cut to them)."""
-        cached_tokens = np.concatenate([input_ids, call.tokens[: call.fed]]).astype(np.int64)
-        cache.crop(cached_tokens.size - cache.get_seq_length())
+    def _forward(self, works: list[Work]) -> list[np.ndarray | None]:
+        """One packed forward over the works' rows (padded to the row shape);
+        the logits rows of the works that want them."""
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[attention.Segment] = []
+        wanted: list[int] = []
+        for work in works:
+            start, cached = len(ids), work.call.sequence.get_seq_length()
+            ids += work.tokens
+            positions += range(cached, cached + len(work.tokens))
+            segments.append(attention.Segment(start, len(ids), work.call.sequence))
+            if work.logits:
+                wanted += range(start, len(ids))
+        real = len(ids)
+        total = self.row_shape.rows(real)
+        if total > real:
+            segments.append(attention.Segment(real, total, None))
+            ids += [0] * (total - real)
+            positions += [0] * (total - real)
+        self.last_forward = (len(works), real)
+        with attention.packed(segments):
+            hidden = self.model.model(
+                input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                attention_mask=_NO_MASKS, use_cache=False,
+            ).last_hidden_state[0]
         logits = None
-        if request.return_logits:
-            rows = [np.asarray(row, dtype=np.float32) for row in call.logits]
-            logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
-        return EngineResult(call.tokens, logits), cached_tokens
+        if wanted:
+            # the output layer is one more linear: the same row rule applies
+            picked = wanted + [wanted[0]] * (self.row_shape.rows(len(wanted)) - len(wanted))
+            logits = self.model.lm_head(hidden[picked]).float().numpy()
+        out: list[np.ndarray | None] = []
+        row = 0
+        for work in works:
+            if work.logits:
+                out.append(logits[row : row + len(work.tokens)])
+                row += len(work.tokens)
+            else:
+                out.append(None)
+        return out

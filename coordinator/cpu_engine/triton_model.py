@@ -1,13 +1,22 @@
 """Triton Python-backend adapter of the CPU engine (models ``target`` and
 ``draft`` in the cpu profile). Reads the tensorrtllm-style inputs, runs the
 engine, writes ``output_ids`` [1, 1, n], ``sequence_length`` [1, 1] and, when
-asked, ``generation_logits`` [1, 1, n, vocab]."""
+asked, ``generation_logits`` [1, 1, n, vocab].
+
+The model is decoupled, as TensorRT-LLM's is with in-flight batching:
+``execute`` only queues the calls, and one engine thread runs forwards over
+whatever is queued, so calls that arrive during a forward join the next one.
+With ``streaming`` true, a plain call sends its tokens as they are generated
+(one response per forward) and an empty final response; otherwise one
+response with all tokens, flagged final."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -44,73 +53,166 @@ class TritonPythonModel:
             num_threads=int(params.get("num_threads", "0")),
             max_cached_sequences=int(params.get("max_cached_sequences", "8")) if reuse else 0,
             max_context_tokens=int(params.get("max_context_tokens", "4096")),
-            decode_rows=int(params.get("decode_rows", "0")),
+            max_num_tokens=int(params.get("max_num_tokens", "64")),
+            row_invariant=params.get("row_invariant", "true").lower() == "true",
             weight_quantization=params.get("weight_quantization", "none"),
         )
         self.name = args["model_name"]
-        self._pool_gauges = _pool_gauges(self.name)
-        self._report_pool()
+        log.info("%s: %s", self.name, self.engine.row_shape.describe())
+        self._gauges = _engine_gauges(self.name)
+        self._report()
+        self._senders: dict[int, tuple[object, bool]] = {}  # call id -> (response sender, streaming)
+        self._wake = threading.Condition()
+        self._incoming: list[tuple[object, EngineRequest, bool]] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run_engine, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
 
     def execute(self, requests):
-        responses = [self._serve(request) for request in requests]
-        self._report_pool()
-        return responses
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                engine_request = _read_request(request)
+                streaming = bool(_scalar(request, "streaming", False))
+            except EngineRequestError as error:
+                _send_error(sender, f"{self.name}: {error}")
+                continue
+            if self.faults and self.faults.rule_for(engine_request.sampling.seed, int(engine_request.input_ids.size)):
+                # a late or failing call must not hold up the others: its fault runs on a thread of its own
+                threading.Thread(target=self._faulty, args=(sender, engine_request, streaming), daemon=True).start()
+                continue
+            self._queue(sender, engine_request, streaming)
+        return None
 
-    def _report_pool(self) -> None:
-        if self._pool_gauges is not None:
-            sequences, tokens = self._pool_gauges[:2]
-            sequences.set(len(self.engine.pool))
-            tokens.set(self.engine.pool.cached_tokens)
-
-    def _serve(self, request):
+    def _faulty(self, sender, engine_request, streaming) -> None:
         try:
-            engine_request = _read_request(request)
-            if self.faults:
-                self.faults.apply(engine_request.sampling.seed, int(engine_request.input_ids.size))
-            result = self.engine.run(engine_request)
-        except EngineRequestError as error:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: {error}"))
-        except Exception as error:  # keep serving other requests
-            log.exception("%s failed", self.name)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: internal error: {error}"))
-        n = len(result.tokens)
-        outputs = [
-            pb_utils.Tensor("output_ids", np.asarray(result.tokens, dtype=np.int32).reshape(1, 1, n)),
-            pb_utils.Tensor("sequence_length", np.asarray([[n]], dtype=np.int32)),
-        ]
-        if result.logits is not None:
-            outputs.append(
-                pb_utils.Tensor("generation_logits", result.logits.astype(np.float32).reshape(1, 1, n, -1))
-            )
-        return pb_utils.InferenceResponse(output_tensors=outputs)
+            self.faults.apply(engine_request.sampling.seed, int(engine_request.input_ids.size))
+        except Exception as error:
+            _send_error(sender, f"{self.name}: internal error: {error}")
+            return
+        self._queue(sender, engine_request, streaming)
+
+    def _queue(self, sender, engine_request, streaming) -> None:
+        with self._wake:
+            self._incoming.append((sender, engine_request, streaming))
+            self._wake.notify()
+
+    def _run_engine(self) -> None:
+        """The engine thread: admit queued calls, run one forward, answer finished calls."""
+        self.engine.bind_thread()
+        returning = 0  # calls answered by the last forward: their requests' next calls are on the way
+        forward_seconds = 0.0
+        while True:
+            with self._wake:
+                while not self._incoming and not self.engine.pending() and not self._stopping:
+                    self._wake.wait()
+                # Let the streams just answered come back before the next forward:
+                # a call that misses a forward waits a whole forward for the next.
+                deadline = time.monotonic() + join_wait(forward_seconds)
+                while len(self._incoming) < returning and not self._stopping:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                if self._stopping:
+                    return
+                incoming, self._incoming = self._incoming, []
+            for sender, engine_request, streaming in incoming:
+                try:
+                    call = self.engine.submit(engine_request, on_tokens=self._stream if streaming else None)
+                except EngineRequestError as error:
+                    _send_error(sender, f"{self.name}: {error}")
+                    continue
+                self._senders[id(call)] = (sender, streaming)
+            started = time.monotonic()
+            done = self.engine.step()
+            forward_seconds = time.monotonic() - started
+            for call in done:
+                self._answer(call)
+            returning = len(done)
+            self._report()
+
+    def _stream(self, call, tokens) -> None:
+        sender, _ = self._senders[id(call)]
+        _send(sender, tokens, None, flags=0)
+
+    def _answer(self, call) -> None:
+        sender, streaming = self._senders.pop(id(call))
+        try:
+            result = self.engine.result(call)
+        except Exception as error:
+            log.error("%s: call failed: %s", self.name, error)
+            _send_error(sender, f"{self.name}: internal error: {error}")
+            return
+        if streaming and call.plain is not None:  # the tokens went out as they came
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            _send(sender, result.tokens, result.logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _report(self) -> None:
+        if self._gauges is not None:
+            gauges = self._gauges[0]
+            gauges["cached_sequences"].set(len(self.engine.pool))
+            gauges["cached_tokens"].set(self.engine.pool.cached_tokens)
+            sequences, rows = self.engine.last_forward
+            gauges["batch_sequences"].set(sequences)
+            gauges["batch_rows"].set(rows)
+            gauges["running_calls"].set(self.engine.pending())
 
     def finalize(self):
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
         self.engine.pool.clear()
 
 
-def _pool_gauges(model_name: str):
-    """Gauges of the KV-cache pool on Triton's metrics port, labelled by model.
+def join_wait(forward_seconds: float) -> float:
+    """How long the engine holds a forward for the calls it just answered to
+    come back: a twentieth of a forward (a BLS round trip is a few ms), at
+    most 20 ms. Joining costs the waiting calls at most that; missing costs a
+    whole forward."""
+    return min(0.05 * forward_seconds, 0.02)
 
-    ``specdec_engine_cached_sequences``: sequences whose KV cache the engine
-    keeps between calls (at most max_cached_sequences); ``specdec_engine_cached_tokens``:
-    the tokens they hold. Nothing else survives an engine call."""
+
+def _send(sender, tokens, logits, flags) -> None:
+    n = len(tokens)
+    outputs = [
+        pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, n)),
+        pb_utils.Tensor("sequence_length", np.asarray([[n]], dtype=np.int32)),
+    ]
+    if logits is not None:
+        outputs.append(pb_utils.Tensor("generation_logits", logits.astype(np.float32).reshape(1, 1, n, -1)))
+    sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+
+def _send_error(sender, message: str) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+ENGINE_GAUGES = {
+    "cached_sequences": ("specdec_engine_cached_sequences",
+                         "Sequences whose KV cache the CPU engine keeps for prefix reuse (bounded by max_cached_sequences)"),
+    "cached_tokens": ("specdec_engine_cached_tokens", "Tokens held in the CPU engine's KV-cache pool"),
+    "batch_sequences": ("specdec_engine_batch_sequences", "Sequences carried by the CPU engine's latest forward"),
+    "batch_rows": ("specdec_engine_batch_rows", "Rows of work (tokens) in the CPU engine's latest forward"),
+    "running_calls": ("specdec_engine_running_calls", "Calls in flight in the CPU engine (prefilling or decoding)"),
+}
+
+
+def _engine_gauges(model_name: str):
+    """The engine's gauges on Triton's metrics port, labelled by model: the
+    KV-cache pool and the in-flight batch. None when metrics are off."""
     try:
-        sequences = pb_utils.MetricFamily(
-            name="specdec_engine_cached_sequences",
-            description="Sequences whose KV cache the CPU engine keeps for prefix reuse (bounded by max_cached_sequences)",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        tokens = pb_utils.MetricFamily(
-            name="specdec_engine_cached_tokens",
-            description="Tokens held in the CPU engine's KV-cache pool",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
+        families = {key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
+                    for key, (name, text) in ENGINE_GAUGES.items()}
     except Exception as error:  # metrics disabled or unsupported: serve without them
-        log.warning("%s: no KV-cache pool metrics: %s", model_name, error)
+        log.warning("%s: no engine metrics: %s", model_name, error)
         return None
     labels = {"model": model_name}
     # keep the families alive as long as the metrics
-    return sequences.Metric(labels=labels), tokens.Metric(labels=labels), sequences, tokens
+    return {key: family.Metric(labels=labels) for key, family in families.items()}, families
 
 
 def _optional(request, name):

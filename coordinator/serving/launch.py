@@ -38,8 +38,8 @@ ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
 ENGINE_ENV_DEFAULTS = {
     # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape,
     # up to 1024; each new prompt length adds some (prefill), and the engines'
-    # resident memory crept up by megabytes per request. Decoding uses fixed
-    # shapes (decode_rows), so a small cache loses nothing measurable ("Soak").
+    # resident memory crept up by megabytes per request. Forwards carry at most
+    # max_num_tokens rows, so a small cache loses nothing measurable ("Soak").
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
     # target and draft are two processes with their own OpenMP threads on the
     # same cores. Spinning threads (OpenMP's default wait) took the cores from

@@ -1,0 +1,155 @@
+"""In-flight batching for the CPU engine, the way TensorRT-LLM's batcher works:
+calls of many requests join the next forward as they arrive, and one forward
+carries the decode rows, verification rows and prompt-prefill chunks of
+several sequences, up to a row budget.
+
+A call goes through two phases. Prefill puts the prompt tokens not found in
+the prefix-cache pool into its sequence's cache, in chunks that fill what the
+forward's decode rows leave of the budget, so a long prompt never stalls the
+running streams for more than one forward. Decode then feeds the last input
+token (with the k drafts of a verification) and, for plain decoding, one new
+token per forward until the call is finished. Decode rows go first; each
+forward takes whole calls in arrival order.
+
+No torch here: the engine supplies ``forward(works)``, which runs one packed
+forward and returns each work's logits (tests drive the scheduler with a fake).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator import engine_semantics
+from coordinator.engine_semantics import CallResult, PlainDecoding
+from coordinator.sampling import SamplingParams
+
+
+@dataclass
+class Work:
+    """One call's rows in a forward: ``tokens`` appended to ``sequence``'s cache;
+    ``logits`` whether the forward must return a logits row per token."""
+
+    call: "Call"
+    tokens: list[int]
+    logits: bool
+
+
+@dataclass(eq=False)
+class Call:
+    """One engine request in flight. ``sequence`` is the engine's cache object
+    for it (opaque here); ``input_ids[:reused]`` are already in it."""
+
+    input_ids: np.ndarray
+    max_new_tokens: int
+    sampling: SamplingParams
+    end_id: int | None
+    drafts: list[int]
+    draft_logits: np.ndarray | None
+    sequence: object
+    reused: int
+    on_tokens: Callable[["Call", list[int]], None] | None = None  # streaming: new tokens as they come
+    return_logits: bool = False
+    result: CallResult | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self):
+        self.prefilled = self.reused
+        self.plain = None if self.drafts else PlainDecoding(self.max_new_tokens, self.sampling, self.end_id)
+        self.feed = [int(self.input_ids[-1]), *self.drafts]  # rows of the first decode forward
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.input_ids) - 1 - self.prefilled
+
+    def decode_rows(self) -> int:
+        return 0 if self.prefill_left else len(self.feed)
+
+    def absorb(self, work: Work, logits: np.ndarray | None) -> None:
+        """Take the results of this call's rows in a forward."""
+        if not work.logits:
+            self.prefilled += len(work.tokens)
+            return
+        if self.plain is None:
+            self.result = engine_semantics.verify(logits, self.drafts, self.draft_logits, self.max_new_tokens,
+                                                  self.sampling, self.end_id)
+            return
+        before = len(self.plain.tokens)
+        following = self.plain.next_token(logits[-1])
+        new = self.plain.tokens[before:]
+        if new and self.on_tokens is not None:
+            self.on_tokens(self, new)
+        if following is None:
+            self.result = self.plain.result()
+        else:
+            self.feed = [following]
+
+    def cached_tokens(self) -> np.ndarray:
+        """The tokens whose keys and values the sequence's cache holds once the call is finished."""
+        return np.concatenate([self.input_ids, np.asarray(self.result.tokens[: self.result.fed], dtype=np.int64)])
+
+
+class Scheduler:
+    """Calls waiting for a forward, and the choice of what the next one carries."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a forward must carry at least one row, got {capacity}")
+        self.capacity = capacity
+        self.calls: list[Call] = []
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def add(self, call: Call) -> None:
+        self.calls.append(call)
+
+    def next_forward(self) -> list[Work]:
+        """The works of the next forward: decode rows first (whole calls), then
+        prefill chunks in arrival order filling the rest of the budget. A call
+        whose decode rows alone exceed the budget gets a forward of its own."""
+        works: list[Work] = []
+        used = 0
+        for call in self.calls:
+            rows = call.decode_rows()
+            if rows and (used + rows <= self.capacity or not works):
+                works.append(Work(call, list(call.feed), logits=True))
+                used += rows
+        for call in self.calls:
+            if used >= self.capacity:
+                break
+            left = call.prefill_left
+            if left:
+                chunk = min(left, self.capacity - used)
+                start = call.prefilled
+                works.append(Work(call, [int(t) for t in call.input_ids[start : start + chunk]], logits=False))
+                used += chunk
+        return works
+
+    def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:
+        """Hand each work its logits; returns the calls that finished (removed)."""
+        for work, rows in zip(works, logits):
+            try:
+                work.call.absorb(work, rows)
+            except Exception as error:  # this call fails, the others go on
+                work.call.error = error
+        done = [call for call in self.calls if call.finished]
+        self.calls = [call for call in self.calls if not call.finished]
+        return done
+
+    def fail_all(self, works: Sequence[Work], error: BaseException) -> list[Call]:
+        """A forward failed: its calls fail (their caches are in an unknown state)."""
+        failed = {id(work.call) for work in works}
+        done = []
+        for call in self.calls:
+            if id(call) in failed:
+                call.error = error
+                done.append(call)
+        self.calls = [call for call in self.calls if not call.finished]
+        return done

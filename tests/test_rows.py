@@ -1,0 +1,58 @@
+"""The start-up measurement of the engine's row shape (coordinator/cpu_engine/rows.py)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from coordinator.cpu_engine.rows import RowShape, invariant_floor, measure_row_shape, probe_counts  # noqa: E402
+
+
+def test_probe_counts_cover_small_counts_and_the_kernel_switch_points():
+    counts = probe_counts(64)
+    assert counts[:17] == list(range(1, 18)) and {31, 32, 33, 63, 64} <= set(counts) and max(counts) == 64
+
+
+def kernel_that_rounds_differently_below(rows_threshold):
+    """A multiplication whose rows round differently when M < ``rows_threshold`` (as a gemv path does)."""
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).mul(4).round()
+
+    def multiply(rows):
+        out = rows.mul(4).round() @ weight.T  # small integers: exact, whatever the kernel
+        return out + 1e-3 if rows.shape[0] < rows_threshold else out
+
+    return multiply
+
+
+@pytest.mark.parametrize("threshold,floor", [(1, 1), (2, 2), (3, 4), (8, 8), (9, None)])
+def test_the_floor_is_the_smallest_from_which_every_row_count_agrees(threshold, floor):
+    generator = torch.Generator().manual_seed(0)
+    assert invariant_floor(kernel_that_rounds_differently_below(threshold), 32, 24, torch.float32, generator) == floor
+
+
+def test_a_kernel_that_depends_on_the_other_rows_has_no_floor():
+    def mixing(rows):  # every row's result depends on the whole block
+        return rows + rows.sum(0)
+
+    assert invariant_floor(mixing, 8, 16, torch.float32, torch.Generator().manual_seed(0)) is None
+
+
+def test_row_shapes():
+    shape = RowShape(floor=2, budget=64)
+    assert (shape.rows(1), shape.rows(5), shape.capacity) == (2, 5, 64)
+    fixed = RowShape(floor=8, budget=8, fixed=8)
+    assert (fixed.rows(1), fixed.rows(8), fixed.capacity) == (8, 8, 8)
+    assert "padded to 8" in fixed.describe() and "2 to 64" in shape.describe()
+
+
+def test_measured_on_a_model_of_linear_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 16))
+    shape = measure_row_shape(model, budget=32, fallback_rows=8)
+    if shape.fixed is not None:  # this machine's kernels are not row-invariant at these shapes
+        assert shape == RowShape(floor=8, budget=8, fixed=8)
+        return
+    assert shape.budget == 32 and shape.floor in (1, 2, 4, 8)
+    rows = torch.randn(32, 16)
+    with torch.no_grad():
+        full = model(rows)
+        for m in range(shape.floor, 33):  # the claim the shape makes, checked at every row count
+            assert torch.equal(model(rows[:m]), full[:m]), m

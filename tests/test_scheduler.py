@@ -1,0 +1,100 @@
+"""In-flight batching decisions (coordinator/cpu_engine/scheduler.py), with a
+fake forward: which rows each forward carries, chunked prefill, and how
+finished and failed calls leave."""
+
+import numpy as np
+import pytest
+
+from coordinator.cpu_engine.scheduler import Call, Scheduler
+from coordinator.sampling import SamplingParams
+
+VOCAB = 16
+
+
+def call(prompt_length, new_tokens=3, drafts=(), reused=0):
+    return Call(np.arange(1, prompt_length + 1) % VOCAB, new_tokens, SamplingParams(), None, list(drafts), None,
+                sequence=object(), reused=reused)
+
+
+def fake_logits(works):
+    """Logits whose argmax is (token + 1) % VOCAB for every row."""
+    out = []
+    for work in works:
+        if not work.logits:
+            out.append(None)
+            continue
+        rows = np.zeros((len(work.tokens), VOCAB), dtype=np.float32)
+        rows[np.arange(len(work.tokens)), (np.asarray(work.tokens) + 1) % VOCAB] = 1.0
+        out.append(rows)
+    return out
+
+
+def step(scheduler):
+    works = scheduler.next_forward()
+    return works, scheduler.finish(works, fake_logits(works))
+
+
+def test_decode_rows_go_first_and_a_long_prompt_is_prefilled_in_the_rest_of_the_budget():
+    scheduler = Scheduler(capacity=16)
+    running = [call(4, new_tokens=10, reused=3), call(5, new_tokens=10, drafts=(6, 7, 8), reused=4)]
+    long_prompt = call(40, new_tokens=2)
+    for c in (*running, long_prompt):
+        scheduler.add(c)
+    works, _ = step(scheduler)
+    # the plain call's 1 row and the verification's 4, then 11 prompt tokens
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [
+        (running[0], 1, True), (running[1], 4, True), (long_prompt, 11, False)]
+    assert running[1].finished  # a verification is one forward
+    forwards = 1
+    while long_prompt.prefill_left:
+        works, _ = step(scheduler)
+        forwards += 1
+        assert sum(len(w.tokens) for w in works) <= 16
+        assert works[0].call is running[0] and len(works[0].tokens) == 1  # the stream advanced every forward
+    # 39 prompt tokens to prefill (the last one is decoded): 11, then 15 a forward
+    assert forwards == 3 and long_prompt.decode_rows() == 1
+
+
+def test_plain_decoding_continues_until_its_budget_and_reports_the_tokens_it_feeds():
+    scheduler = Scheduler(capacity=8)
+    streamed = []
+    plain = call(3, new_tokens=4)
+    plain.on_tokens = lambda c, tokens: streamed.append(tokens)
+    scheduler.add(plain)
+    done = []
+    while not done:
+        _, done = step(scheduler)
+    assert done == [plain] and len(scheduler) == 0
+    assert plain.result.tokens == [4, 5, 6, 7] and streamed == [[4], [5], [6], [7]]
+    assert plain.result.fed == 3  # the last token is not fed back
+    assert list(plain.cached_tokens()) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_verification_larger_than_what_is_left_waits_for_the_next_forward():
+    scheduler = Scheduler(capacity=8)
+    first, second = call(3, drafts=(4, 5, 6, 7), reused=2), call(3, drafts=(4, 5, 6), reused=2)
+    scheduler.add(first)
+    scheduler.add(second)
+    works, done = step(scheduler)
+    assert [w.call for w in works] == [first] and done == [first]
+    works, done = step(scheduler)
+    assert [w.call for w in works] == [second] and done == [second]
+
+
+def test_a_call_whose_rows_fail_leaves_alone():
+    scheduler = Scheduler(capacity=8)
+    good, bad = call(3, reused=2), call(3, drafts=(1, 2), reused=2)
+    scheduler.add(good)
+    scheduler.add(bad)
+    works = scheduler.next_forward()
+    logits = fake_logits(works)
+    logits[1] = None  # no logits for rows that need them
+    done = scheduler.finish(works, logits)
+    assert done == [bad] and isinstance(bad.error, Exception) and not good.finished
+    assert scheduler.fail_all(scheduler.next_forward(), RuntimeError("boom")) == [good]
+    assert isinstance(good.error, RuntimeError) and len(scheduler) == 0
+
+
+def test_the_budget_must_hold_a_row():
+    with pytest.raises(ValueError, match="at least one row"):
+        Scheduler(capacity=0)
