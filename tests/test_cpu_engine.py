@@ -286,3 +286,14 @@ def test_freed_heap_memory_goes_back_to_the_os():
         pytest.skip("not glibc: nothing to trim")
     assert before - _rss_mib() > 50, "the freed blocks stayed resident"  # ~110 MB measured, 0 without the trim
     del kept  # alive until after the trim
+
+
+def test_a_cache_that_went_on_differently_is_reused_up_to_where_it_agrees(model_dir):
+    """After a rejected draft the next call shares only part of the cached entry:
+    that part is reused, and the result is bitwise what a fresh engine computes."""
+    cold, warm = engine(model_dir, cached=0), engine(model_dir)
+    warm.run(EngineRequest(np.concatenate([PROMPT, [7, 7, 7]]), 3))
+    request = EngineRequest(np.concatenate([PROMPT, [7, 9]]), 4, return_logits=True)
+    result, expected = warm.run(request), cold.run(request)
+    assert result.reused_tokens == len(PROMPT) + 1
+    assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)

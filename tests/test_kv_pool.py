@@ -15,10 +15,13 @@ def test_takes_longest_whole_prefix_and_keeps_last_token_for_recompute():
     assert pool.take(np.array([7])) == (None, 0)
 
 
-def test_entries_that_only_share_a_preamble_are_not_reused():
+def test_the_longest_common_prefix_is_reused_even_when_the_entry_goes_on_differently():
+    """A draft's entry ends with its proposals; after a rejection only the accepted part is shared."""
     pool = PrefixCachePool(4)
-    pool.put(np.array([1, 2, 3, 4]), "other prompt")
-    assert pool.take(np.array([1, 2, 3, 9, 9])) == (None, 0)
+    pool.put(np.array([1, 2, 3, 4]), "other continuation")
+    pool.put(np.array([1, 2, 7]), "shorter match")
+    assert pool.take(np.array([1, 2, 3, 9, 9])) == ("other continuation", 3)
+    assert pool.take(np.array([5, 5])) == (None, 0)
     assert len(pool) == 1
 
 

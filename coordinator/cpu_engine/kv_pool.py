@@ -3,9 +3,10 @@
 Each speculative round sends the whole sequence again (prompt + everything
 emitted so far), as clients of TensorRT-LLM do; its KV-cache reuse finds the
 longest cached prefix and computes only the rest. This pool does the same for
-the CPU engine: ``take`` hands out the entry sharing the longest prefix with
-the request, ``put`` stores it back, least-recently-used entries are evicted
-beyond ``capacity``. Caches are opaque here (anything with a ``crop``).
+the CPU engine: ``take`` hands out the entry sharing the longest common prefix
+with the request (the caller crops it to that length), ``put`` stores it back,
+least-recently-used entries are evicted beyond ``capacity``. Caches are opaque
+here.
 """
 
 from __future__ import annotations
@@ -34,21 +35,24 @@ class PrefixCachePool:
         return sum(len(tokens) for tokens, _ in self._entries.values())
 
     def take(self, tokens: np.ndarray) -> tuple[Any | None, int]:
-        """Remove and return (cache, reusable length) for the longest entry
-        whose tokens are a prefix of ``tokens``.
+        """Remove and return (cache, reusable length) for the entry sharing the
+        longest common prefix with ``tokens``; the caller keeps that many
+        positions of it.
 
-        Only whole-entry prefixes are reused, which is exactly what the rounds
-        of one sequence produce. An entry that merely shares some leading
-        tokens (another prompt with the same preamble) is not: its KV for those
-        positions was computed in a differently shaped forward, and reusing it
-        would let rounding differ between otherwise identical requests. The
-        reusable length is at most ``len(tokens) - 1``: the last token is
-        always recomputed so the engine gets its logits.
+        A draft's entry ends with the drafts it proposed; after the target
+        rejects one, the next call shares only the accepted part, and that
+        part is reused. So is a preamble shared with another prompt: the
+        engine computes a position's keys and values the same way whatever
+        forward it was in (coordinator/cpu_engine/attention.py, rows.py), so
+        they depend only on the tokens before it. The reusable length is at
+        most ``len(tokens) - 1``: the last token is always recomputed so the
+        engine gets its logits.
         """
         best_key, best_len = None, 0
         for key, (cached, _) in self._entries.items():
-            if best_len < len(cached) <= len(tokens) and np.array_equal(cached, tokens[: len(cached)]):
-                best_key, best_len = key, len(cached)
+            shared = common_prefix(cached, tokens)
+            if shared > best_len:
+                best_key, best_len = key, shared
         if best_key is None:
             return None, 0
         _, cache = self._entries.pop(best_key)
@@ -63,3 +67,10 @@ class PrefixCachePool:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
