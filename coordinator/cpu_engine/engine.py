@@ -198,6 +198,10 @@ class CausalLMEngine:
                 self.pool.put(tokens, call.sequence)
         return done
 
+    def fail_all(self, error: BaseException) -> list[Call]:
+        """Fail every call in flight (their caches are dropped); returns them."""
+        return self.scheduler.fail_all(list(self.scheduler.calls), error)
+
     def run(self, request: EngineRequest) -> EngineResult:
         call = self.submit(request)
         while not call.finished:

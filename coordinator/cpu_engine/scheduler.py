@@ -143,9 +143,9 @@ class Scheduler:
         self.calls = [call for call in self.calls if not call.finished]
         return done
 
-    def fail_all(self, works: Sequence[Work], error: BaseException) -> list[Call]:
+    def fail_all(self, works: Sequence[Work | Call], error: BaseException) -> list[Call]:
         """A forward failed: its calls fail (their caches are in an unknown state)."""
-        failed = {id(work.call) for work in works}
+        failed = {id(getattr(work, "call", work)) for work in works}
         done = []
         for call in self.calls:
             if id(call) in failed:

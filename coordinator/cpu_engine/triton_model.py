@@ -125,7 +125,11 @@ class TritonPythonModel:
                     continue
                 self._senders[id(call)] = (sender, streaming)
             started = time.monotonic()
-            done = self.engine.step()
+            try:
+                done = self.engine.step()
+            except Exception as error:  # outside a forward: fail what is in flight, keep the thread alive
+                log.exception("%s: engine step failed", self.name)
+                done = self.engine.fail_all(error)
             forward_seconds = time.monotonic() - started
             for call in done:
                 self._answer(call)
