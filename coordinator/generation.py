@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
+from coordinator.governor import LoadGovernor
 from coordinator.loop import Engine, Round, speculative_decode
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
@@ -70,12 +71,14 @@ async def generate_text(
     target: Engine,
     settings: CoordinatorSettings,
     costs: CostModel | None = None,
+    governor: LoadGovernor | None = None,
     metrics: RequestMetrics | None = None,
     cancelled: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Yield text deltas; the last chunk has ``final`` set and carries the stats.
 
-    ``costs`` is the server-wide cost model shared by all requests.
+    ``costs`` is the server-wide cost model shared by all requests, ``governor``
+    the server-wide switch that measures whether speculation pays at the load.
     ``cancelled`` is asked after every round; when it says yes, no further
     engine call is made and ``RequestCancelled`` is raised."""
     check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
@@ -87,6 +90,8 @@ async def generate_text(
         settings.fallback_threshold,
         costs=costs,
         adaptive=request.adaptive_window,
+        # a request that asked for a fixed window (or none) gets it: the load switch belongs to the adaptive mode
+        governor=governor if request.adaptive_window and request.speculation_window > 0 else None,
     )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
@@ -107,6 +112,8 @@ async def generate_text(
         async with aclosing(rounds):
             async for round_ in rounds:
                 stats.add(round_)
+                if policy.governor is not None:
+                    policy.governor.emitted(len(round_.tokens), costs.streams)
                 stats.fallback_reason = policy.reason
                 if metrics is not None:
                     metrics.round(round_, policy)

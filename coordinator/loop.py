@@ -55,12 +55,6 @@ log = logging.getLogger(__name__)
 WARMUP_STRETCH = 2
 
 
-def _finished() -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(None)
-    return future
-
-
 @dataclass(frozen=True)
 class EngineOutput:
     tokens: list[int]  # end token excluded or not: the loop copes with both
@@ -161,7 +155,7 @@ async def speculative_decode(
                 if not warmup.done():
                     k = 0  # the draft is still prefilling the prompt: decode plainly meanwhile
             if warmup is not None and warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
-                error, warmup = warmup.exception(), _finished()
+                error, warmup = warmup.exception(), None  # handled once (draft_seen keeps it from restarting)
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
                 k = 0
@@ -181,7 +175,7 @@ async def speculative_decode(
                         if round_.finished:
                             return
                 if (warmup is None and sampling.greedy and draft_seen == 0 and policy.max_window > 0
-                        and policy.mode is not Mode.DRAFT_FAILED):
+                        and policy.mode is not Mode.DRAFT_FAILED and not policy.held_back):
                     warmup = asyncio.ensure_future(_with_deadline(
                         _warm_up(draft, context, draft_sampling, sampling.seed), draft_timeout))
                     draft_seen = len(context)
@@ -190,6 +184,14 @@ async def speculative_decode(
             proposal_logits = None
             started = clock()
             try:
+                if len(context) - draft_seen > policy.max_window + 1:
+                    # The draft is behind (the prompt, or a stretch of plain rounds): it catches up in
+                    # a call of its own, so the timed call below is a steady-state cost sample.
+                    await _with_deadline(draft.generate(
+                        context, 1, replace(draft_sampling, seed=call_seed(sampling.seed, position, "draft"))),
+                        draft_timeout)
+                    draft_seen = len(context)
+                    started = clock()
                 drafted = await _with_deadline(
                     draft.generate(context, k, replace(draft_sampling, seed=call_seed(sampling.seed, position, "draft")),
                                    return_logits=want_logits),
@@ -212,7 +214,7 @@ async def speculative_decode(
             )
             target_seconds = clock() - started
             steady = target_seen > 0  # the target caught up on one round's tokens at most
-            draft_steady = draft_seen > 0 and len(context) - draft_seen <= policy.max_window + 1
+            draft_steady = bool(proposal)  # the draft caught up first when it was behind
             target_seen = len(context)
             if proposal:
                 draft_seen = len(context)

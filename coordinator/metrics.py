@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.costmodel import CONTEXT_BUCKETS, context_bucket, context_label
+from coordinator.costmodel import CONTEXT_BUCKETS, LOAD_BUCKETS, context_bucket, context_label, load_bucket, load_label
 from coordinator.loop import Round
 from coordinator.policy import Mode, SpeculationPolicy
 
@@ -76,6 +76,12 @@ PLAIN_STEP = {
     for bucket in range(len(CONTEXT_BUCKETS) + 1)
 }
 STREAMS = _spec("specdec_decoding_requests", GAUGE, "Requests decoding now (the load the cost model plans for)")
+LOAD_REGIME = {
+    bucket: _spec("specdec_load_speculating", GAUGE,
+                  "1 while adaptive requests speculate at this load, 0 while the server measured plain decoding "
+                  "faster there", [("load", load_label(bucket))])
+    for bucket in range(len(LOAD_BUCKETS) + 1)
+}
 ACCEPTED_PER_ROUND = _spec(
     "specdec_accepted_tokens_per_round",
     HISTOGRAM,
@@ -109,6 +115,7 @@ ALL_SPECS = (
     *VERIFY_COST.values(),
     *PLAIN_STEP.values(),
     STREAMS,
+    *LOAD_REGIME.values(),
     ACCEPTED_PER_ROUND,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
@@ -156,6 +163,8 @@ class MetricsRecorder:
         if plain is not None:
             get(PLAIN_STEP[context_bucket(policy.context)]).set(plain)
         get(STREAMS).set(policy.costs.streams)
+        if policy.governor is not None:
+            get(LOAD_REGIME[load_bucket(policy.costs.streams)]).set(0 if policy.held_back else 1)
         get(WINDOW).set(round_.drafted)
         if emitted:
             get(EMITTED_TOKENS).increment(emitted)

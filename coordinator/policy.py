@@ -28,6 +28,10 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
 5. The first round is a plain target step (``first_round_plain``): the
    prompt's prefill is then the only work before the first token, so time to
    first token is that of plain decoding; the draft catches up in round two.
+6. Load (``governor``, coordinator/governor.py): while the server has measured
+   that plain decoding serves more tokens per second at the current load, the
+   request decodes plainly (held back, not a fallback: it speculates again as
+   soon as the server's regime at its load does).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from coordinator.costmodel import CostModel
+from coordinator.governor import LoadGovernor
 
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
@@ -64,6 +69,7 @@ class SpeculationPolicy:
     prior_acceptance: float = 0.5  # used until the server has measured any
     prior_trials: float = 4.0
     first_round_plain: bool = True
+    governor: LoadGovernor | None = None
 
     mode: Mode = Mode.SPECULATING
     reason: str = ""  # why the request last stopped speculating ("" if it never did)
@@ -86,6 +92,8 @@ class SpeculationPolicy:
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
             return 0
         if self.first_round_plain and self._rounds == 0:
+            return 0
+        if self.held_back:
             return 0
         if self.mode is not Mode.SPECULATING:
             if self._plain_rounds < self._interval:
@@ -113,6 +121,11 @@ class SpeculationPolicy:
         if drafted < self.min_evidence:
             return None
         return sum(a for _, a, _ in self._history) / drafted
+
+    @property
+    def held_back(self) -> bool:
+        """The server measured plain decoding faster at the current load (coordinator/governor.py)."""
+        return self.governor is not None and not self.governor.speculation_allowed(self.costs.streams)
 
     @property
     def context(self) -> int:
@@ -157,6 +170,8 @@ class SpeculationPolicy:
         (the loop asks the target for them in one call)."""
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
             return UNBOUNDED
+        if self.held_back:
+            return self.probe_interval
         if self.mode is Mode.SPECULATING:
             return 1
         return max(1, self._interval - self._plain_rounds)

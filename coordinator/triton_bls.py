@@ -20,6 +20,7 @@ from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
 from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits
 from coordinator.generation import Chunk, RequestCancelled, generate_text
+from coordinator.governor import LoadGovernor
 from coordinator.loop import EngineError, EngineOutput
 from coordinator.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
 from coordinator.request import INPUT_NAMES, InputError, check_parameters, parse_request
@@ -147,6 +148,7 @@ class TritonPythonModel:
         self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled)
         self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input, decoupled)
         self.costs = CostModel()  # server-wide engine timings and acceptance
+        self.governor = LoadGovernor()  # server-wide: does speculation pay at this load
         families: dict[str, object] = {}
         self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec))
         self._metric_families = families  # keep the families alive as long as the model
@@ -177,6 +179,7 @@ class TritonPythonModel:
                 target=self.target,
                 settings=self.settings,
                 costs=self.costs,
+                governor=self.governor,
                 metrics=metrics,
                 cancelled=lambda: _cancelled(request, sender),  # asked after every round
             )

@@ -290,11 +290,13 @@ def test_prefill_and_draft_catch_up_calls_are_not_cost_samples():
     costs = CostModel()
     policy = SpeculationPolicy(3, 0.0, costs=costs, adaptive=False, first_round_plain=False)
     run(list(range(1, 200)), 13, draft, target, policy=policy, clock=clock)
-    # 13 tokens in rounds of 4: 3 verify rounds + 1 plain (last token); the first
-    # round (prompt prefill in both engines) is not sampled
+    # 13 tokens in rounds of 4: 3 verify rounds + 1 plain (last token). The target's
+    # first call (the prompt's prefill) is not sampled; the draft prefills the prompt
+    # in an untimed catch-up call of its own, so all three of its rounds are samples.
     timings = costs.cell(context=200)
-    assert timings.verify[3].samples == 2 and timings.draft[3].samples == 2
+    assert timings.verify[3].samples == 2 and timings.draft[3].samples == 3
     assert timings.plain_step.samples == 1
+    assert draft.calls[0] == (1, 0)  # the catch-up
 
 
 # ---- fewer round trips: plain stretches in one streamed call, the draft warmed up in the background ----

@@ -1,0 +1,78 @@
+"""Whether speculation pays at the current load, measured live, server-wide.
+
+A request's cost model compares its own engine calls, which cannot see what
+its drafting costs the other requests: with in-flight batching, a stream's
+verification rows and the draft's work take forward time and cores from every
+other stream. So the server measures its total throughput instead: time is
+cut into epochs of ``epoch_seconds`` at one load bucket (requests decoding,
+costmodel.load_bucket), each epoch runs one regime for all requests
+(speculate, or decode plainly), and the tokens per second every request
+emitted together are averaged per (load bucket, regime). The regime of the
+next epoch at a load is the one measured faster; the other is tried again
+after ``explore_every`` epochs (or while it has fewer than two epochs
+measured), so a change of workload is noticed. Static schedules such as
+TensorRT-LLM's ``draft_len_schedule`` fix this per batch size in advance;
+this one is measured on the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.costmodel import MovingAverage, load_bucket
+
+SPECULATE, PLAIN = "speculate", "plain"
+MIN_EPOCHS = 2  # epochs a regime is measured before the other can win against it
+
+
+@dataclass
+class LoadGovernor:
+    epoch_seconds: float = 10.0
+    explore_every: int = 10
+    clock: Callable[[], float] = time.monotonic
+    rates: dict[tuple[int, str], MovingAverage] = field(default_factory=dict)
+    regimes: dict[int, str] = field(default_factory=dict)  # the current regime per load bucket
+    _since_explore: dict[int, int] = field(default_factory=dict)
+    _bucket: int | None = None
+    _started: float = 0.0
+    _tokens: int = 0
+
+    def speculation_allowed(self, streams: int) -> bool:
+        return self.regimes.get(load_bucket(streams), SPECULATE) == SPECULATE
+
+    def emitted(self, tokens: int, streams: int) -> None:
+        """``tokens`` were emitted by one request while ``streams`` requests were decoding."""
+        now = self.clock()
+        bucket = load_bucket(streams)
+        if bucket != self._bucket:  # the load changed: a partial epoch measures nothing
+            self._bucket, self._started, self._tokens = bucket, now, 0
+        self._tokens += tokens
+        elapsed = now - self._started
+        if elapsed < self.epoch_seconds:
+            return
+        regime = self.regimes.get(bucket, SPECULATE)
+        self.rates.setdefault((bucket, regime), MovingAverage()).add(self._tokens / elapsed, weight=0.3)
+        self.regimes[bucket] = self._next(bucket, regime)
+        self._started, self._tokens = now, 0
+
+    def rate(self, streams: int, regime: str) -> float | None:
+        average = self.rates.get((load_bucket(streams), regime))
+        return None if average is None else average.value
+
+    def _next(self, bucket: int, regime: str) -> str:
+        other = PLAIN if regime == SPECULATE else SPECULATE
+        mine, theirs = self.rates.get((bucket, regime)), self.rates.get((bucket, other))
+        if mine is None or mine.samples < MIN_EPOCHS:
+            return regime
+        if theirs is None or theirs.samples < MIN_EPOCHS:
+            return other
+        best = regime if mine.value >= theirs.value else other
+        if best == regime:
+            explored = self._since_explore.get(bucket, 0) + 1
+            self._since_explore[bucket] = explored
+            if explored >= self.explore_every:
+                self._since_explore[bucket] = 0
+                return other
+        return best

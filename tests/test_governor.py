@@ -1,0 +1,76 @@
+"""The server-wide load switch (coordinator/governor.py) with a fake clock."""
+
+from coordinator.costmodel import CostModel
+from coordinator.governor import PLAIN, SPECULATE, LoadGovernor
+from coordinator.policy import Mode, SpeculationPolicy
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_epoch(governor, clock, tokens_per_second, streams, seconds=10.0):
+    """One epoch of ``seconds`` at ``streams`` requests emitting ``tokens_per_second`` together."""
+    for _ in range(int(seconds)):
+        clock.now += 1.0
+        governor.emitted(tokens_per_second, streams)
+
+
+def regimes_over(governor, clock, rates, streams, epochs):
+    seen = []
+    for _ in range(epochs):
+        seen.append(PLAIN if not governor.speculation_allowed(streams) else SPECULATE)
+        run_epoch(governor, clock, rates[seen[-1]], streams)
+    return seen
+
+
+def test_plain_decoding_wins_where_it_serves_more_tokens_and_speculation_is_retried_now_and_then():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=5, clock=clock)
+    governor.emitted(0, 8)  # the first epoch at 8 streams starts
+    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 11.0}, streams=8, epochs=16)
+    assert seen[:4] == [SPECULATE, SPECULATE, PLAIN, PLAIN]  # two epochs of each are measured first
+    # then plain; every fifth epoch won by plain is followed by one that tries speculation again
+    assert seen[4:8] == [PLAIN] * 4 and seen[8] == SPECULATE
+    assert seen[9:14] == [PLAIN] * 5 and seen[14] == SPECULATE
+    assert abs(governor.rate(8, PLAIN) - 11.0) < 1e-9
+
+
+def test_each_load_has_its_own_regime_and_speculation_keeps_winning_where_it_pays():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=4, clock=clock)
+    governor.emitted(0, 1)
+    seen = regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=1, epochs=10)
+    assert seen.count(SPECULATE) >= 7 and seen[4:7] == [SPECULATE] * 3
+    assert governor.speculation_allowed(8)  # nothing measured at 8 streams: speculation is the default
+
+
+def test_an_epoch_cut_short_by_a_change_of_load_measures_nothing():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    for streams in (1, 2, 1, 2, 1, 2):
+        clock.now += 6.0
+        governor.emitted(10, streams)
+    assert governor.rates == {}
+
+
+def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_fallback():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.regimes[governor_bucket(4)] = PLAIN
+    costs = CostModel(streams=4)
+    policy = SpeculationPolicy(5, 0.3, costs=costs, first_round_plain=False, governor=governor)
+    assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == policy.probe_interval
+    assert policy.mode is Mode.SPECULATING and policy.reason == ""
+    costs.streams = 1  # another load bucket, where nothing says plain
+    assert not policy.held_back and policy.window() > 0
+
+
+def governor_bucket(streams):
+    from coordinator.costmodel import load_bucket
+
+    return load_bucket(streams)
