@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast bench loadtest soak tools clean-venv
+.PHONY: serve test test-fast bench bench-modes loadtest soak tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,22 @@ $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 serve: $(STAMP)
 	$(VENV)/bin/specdec-serve
 
-# Plain, adaptive and fixed-window speculative decoding side by side against a
-# running `make serve` (specdec-bench --help); BENCH_ARGS may override the files.
-BENCH_ARGS ?=
+# This server against the peers in one run (specdec-compare --help): plain and
+# assisted transformers generation in-process, then a running `make serve`
+# plain, adaptive and fixed-window at 1, 2, 4 and 8 streams and at 150-, 750-
+# and 2,000-token prompts; ratios in JSON, a markdown table and a PNG. About
+# 30 minutes on a 2-vCPU machine. COMPARE_ARGS adds options.
 BENCH_DIR ?= bench-results
+COMPARE_ARGS ?=
 bench: $(STAMP)
+	$(VENV)/bin/specdec-compare --json $(BENCH_DIR)/compare.json --png $(BENCH_DIR)/compare.png \
+		--markdown $(BENCH_DIR)/compare.md $(COMPARE_ARGS)
+
+# Plain, adaptive and fixed-window speculative decoding per prompt, with the
+# cost model's predictions, against a running `make serve` (specdec-bench
+# --help); BENCH_ARGS may override the files.
+BENCH_ARGS ?=
+bench-modes: $(STAMP)
 	$(VENV)/bin/specdec-bench --json $(BENCH_DIR)/bench.json --png $(BENCH_DIR)/bench.png $(BENCH_ARGS)
 
 # Locust load test (loadtests/) against a running server (`make serve`): for

@@ -524,13 +524,18 @@ def write_png(path: str | Path, summary: dict, title: str = "") -> None:
         speedups.legend(loc="upper left", ncols=2)
         for axis in (rates, speedups):
             axis.tick_params(axis="x", labelrotation=30)
-        if title:
-            figure.suptitle(title)
-        figure.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, format="png", dpi=120)
+        save_figure(figure, path, title)
     finally:
         plt.close(figure)
+
+
+def save_figure(figure, path: str | Path, title: str = "") -> None:
+    """Title, tight layout, and the PNG written (its folder made)."""
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=120)
 
 
 # -- running -------------------------------------------------------------------

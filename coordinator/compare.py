@@ -1,0 +1,432 @@
+"""``specdec-compare``: this server against what a user already has, in one
+run on one machine, greedy, same model pair, dtype and threads.
+
+Peers, run in-process first while the server sits idle: plain
+``transformers`` ``generate`` of the target, ``transformers`` assisted
+generation (``assistant_model`` = the draft), and this project's CPU engine
+driven in-process (the forward without Triton and the coordinator: the
+server's plain tokens/s over it is the serving overhead). Then the running
+server: plain (speculation_window 0), speculative with the adaptive window,
+and a fixed window, at every concurrency level (streams at once, each
+running the same prompts) and at every prompt length (one stream).
+
+Prompts come from the held-out HumanEval problems (100-163, never tuned on):
+the ``150``-token set is single problems, longer sets concatenate problems
+up to the length, the last one left to complete. Results are ratios against
+plain ``transformers`` generation on the same prompts (and, for the server,
+against its own plain mode at the same concurrency); absolute tokens/s of a
+shared machine are noise. Greedy speculative texts must equal plain texts:
+any difference is reported and makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coordinator.bench import (
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    HUMANEVAL_PROBLEMS,
+    HUMANEVAL_RESERVED,
+    BenchError,
+    load_humaneval,
+    parse_windows,
+    require_matplotlib,
+    save_figure,
+    write_json,
+)
+
+PLAIN_GENERATE, ASSISTED, ENGINE = "transformers generate", "transformers assisted", "cpu engine in-process"
+SERVER_MODES = ("plain", "adaptive", "fixed")
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    text: str
+    tokens: int
+
+
+@dataclass
+class Measurement:
+    system: str  # a peer, or "server <mode>"
+    prompt_tokens: int  # the prompt set's nominal length
+    concurrency: int
+    requests: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # wall clock of the whole run (all streams)
+    first_text: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    texts: dict[str, str] = field(default_factory=dict)  # prompt id -> text (the first completion's)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def p50_first_text(self) -> float | None:
+        return statistics.median(self.first_text) if self.first_text else None
+
+
+# -- prompts -------------------------------------------------------------------
+
+def held_out_prompts(lengths: Sequence[int], per_length: int, count_tokens: Callable[[str], int]) -> dict[int, list[Prompt]]:
+    """``per_length`` prompts of about each length from HumanEval 100-163: problems joined into one file
+    until the length (at most 1.3 times it once one problem is in), the last one left to complete."""
+    problems = load_humaneval()
+    held_out = [f"HumanEval/{n}" for n in range(HUMANEVAL_RESERVED, HUMANEVAL_PROBLEMS)]
+    out: dict[int, list[Prompt]] = {}
+    for length in lengths:
+        prompts, cursor = [], 0
+        for _ in range(per_length):
+            ids: list[str] = []
+            while cursor < len(held_out):
+                tokens = count_tokens(_joined(problems, [*ids, held_out[cursor]]))
+                if ids and tokens > 1.3 * length:  # close enough: a short set stays single problems
+                    break
+                ids.append(held_out[cursor])
+                cursor += 1
+                if tokens >= length:
+                    break
+            if not ids or count_tokens(_joined(problems, ids)) < length // 2:
+                raise BenchError(f"not enough held-out problems for {per_length} prompts of {length} tokens")
+            text = _joined(problems, ids)
+            prompts.append(Prompt("+".join(i.split("/")[1] for i in ids), text, count_tokens(text)))
+        out[length] = prompts
+    return out
+
+
+def _joined(problems: dict[str, str], ids: list[str]) -> str:
+    """The problems as one file: each but the last given a body, the last left to complete."""
+    return "    pass\n\n\n".join(problems[i] for i in ids)
+
+
+# -- peers (in-process) ----------------------------------------------------------
+
+def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
+              threads: int, progress) -> list[Measurement]:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.bfloat16).eval()
+    results = []
+    for length, group in prompts.items():
+        plain, assisted = Measurement(PLAIN_GENERATE, length, 1), Measurement(ASSISTED, length, 1)
+        for prompt in group:
+            ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+            for measurement, extra in ((plain, {}), (assisted, {"assistant_model": draft})):
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    out = target.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                          do_sample=False, **extra)
+                seconds = time.perf_counter() - started
+                new = out[0, ids.shape[1]:]
+                measurement.requests += 1
+                measurement.completion_tokens += int(new.numel())
+                measurement.seconds += seconds
+                measurement.texts[prompt.prompt_id] = tokenizer.decode(new)
+                progress(f"{measurement.system}, {length}-token prompt {prompt.prompt_id}: "
+                         f"{new.numel() / seconds:.2f} tok/s")
+        results += [plain, assisted]
+    del target, draft
+    engine = CausalLMEngine(str(target_dir), dtype="bfloat16", num_threads=threads, max_cached_sequences=0)
+    for length, group in prompts.items():
+        measurement = Measurement(ENGINE, length, 1)
+        for prompt in group:
+            ids = np.asarray(tokenizer(prompt.text).input_ids)
+            started = time.perf_counter()
+            result = engine.run(EngineRequest(ids, max_tokens))
+            measurement.seconds += time.perf_counter() - started
+            measurement.requests += 1
+            measurement.completion_tokens += len(result.tokens)
+        results.append(measurement)
+    return results
+
+
+# -- the server ------------------------------------------------------------------
+
+def server_inputs(mode: str, prompt: str, max_tokens: int, fixed_window: int):
+    from coordinator.client import build_inputs
+
+    options = {"plain": {"speculation_window": 0}, "adaptive": {},
+               "fixed": {"speculation_window": fixed_window, "adaptive_window": False}}[mode]
+    return build_inputs(prompt, max_tokens, temperature=0.0, **options)
+
+
+def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max_tokens: int, fixed_window: int,
+               length: int, tag: str = "") -> Measurement:
+    """``concurrency`` streams at once, each running every prompt (stream i starts at prompt i).
+
+    With ``tag``, each request's prompt starts with a comment line of its own
+    (tag, stream, step), so no request reuses the KV cache another run left
+    behind: every run pays its prompts' prefill, as a new user's request does."""
+    import tritonclient.grpc as grpcclient
+
+    from coordinator.client import stream_completion
+
+    measurement = Measurement(f"server {mode}", length, concurrency)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            with grpcclient.InferenceServerClient(url) as client:
+                for step in range(len(prompts)):
+                    prompt = prompts[(index + step) % len(prompts)]
+                    text = f"# {tag} {index}.{step}\n{prompt.text}" if tag else prompt.text
+                    completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
+                    with lock:
+                        measurement.requests += 1
+                        measurement.completion_tokens += completion.completion_tokens
+                        measurement.drafted += completion.draft_tokens
+                        measurement.accepted += completion.accepted_draft_tokens
+                        if completion.time_to_first_chunk is not None:
+                            measurement.first_text.append(completion.time_to_first_chunk)
+                        measurement.texts.setdefault(prompt.prompt_id, completion.text)
+        except BaseException as error:  # reported after the run
+            errors.append(error)
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    measurement.seconds = time.perf_counter() - started
+    if errors:
+        raise BenchError(f"server {mode} at {concurrency} streams: {errors[0]}")
+    return measurement
+
+
+# -- summary -----------------------------------------------------------------------
+
+def summarise(measurements: list[Measurement], identity: list[Measurement]) -> dict:
+    """Rows with ratios: vs plain transformers generate (same prompt length; concurrency 1 for the peer), vs the
+    server's plain mode at the same concurrency and length, and vs the same system's one-stream throughput.
+    ``identity``: one run per server mode on the same prompts (plain first), whose texts must agree."""
+    def find(system, length, concurrency):
+        return next((m for m in measurements if m.system == system and m.prompt_tokens == length
+                     and m.concurrency == concurrency), None)
+
+    rows, mismatches = [], []
+    for m in measurements:
+        reference = find(PLAIN_GENERATE, m.prompt_tokens, 1)
+        assisted = find(ASSISTED, m.prompt_tokens, 1)
+        plain = find("server plain", m.prompt_tokens, m.concurrency)
+        alone = find(m.system, m.prompt_tokens, 1)
+        rate = m.tokens_per_second
+        ratio = (lambda other: rate / other.tokens_per_second
+                 if rate and other is not None and other.tokens_per_second else None)
+        row = {
+            "system": m.system, "prompt_tokens": m.prompt_tokens, "concurrency": m.concurrency,
+            "requests": m.requests, "completion_tokens": m.completion_tokens, "seconds": m.seconds,
+            "tokens_per_second": rate, "vs_transformers_generate": ratio(reference),
+            "vs_transformers_assisted": ratio(assisted),
+            "vs_server_plain": ratio(plain) if m.system.startswith("server") else None,
+            "vs_one_stream": ratio(alone) if m.system.startswith("server") else None,
+            "p50_first_text_seconds": m.p50_first_text,
+            "first_text_vs_server_plain": (m.p50_first_text / plain.p50_first_text
+                                           if plain is not None and m.p50_first_text and plain.p50_first_text
+                                           else None),
+            "acceptance": m.accepted / m.drafted if m.drafted else None,
+        }
+        rows.append(row)
+    for m in identity[1:]:
+        for prompt_id, text in m.texts.items():
+            if text != identity[0].texts.get(prompt_id):
+                mismatches.append({"system": m.system, "prompt": prompt_id, "concurrency": m.concurrency})
+    engine = {m.prompt_tokens: m for m in measurements if m.system == ENGINE}
+    overhead = {}
+    for length, m in engine.items():
+        plain = find("server plain", length, 1)
+        if plain is not None and plain.tokens_per_second and m.tokens_per_second:
+            overhead[str(length)] = m.tokens_per_second / plain.tokens_per_second - 1
+    return {"rows": rows, "mismatches": mismatches, "serving_overhead": overhead}
+
+
+def _fmt(value, spec=".2f", suffix=""):
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(summary: dict) -> str:
+    lines = ["| system | prompt tokens | streams | tok/s (total) | vs transformers generate | vs assisted "
+             "| vs server plain | vs one stream | p50 first text s | first text vs plain | acceptance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['system']} | {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
+            f"{_fmt(r['vs_transformers_generate'], '.2f', 'x')} | {_fmt(r['vs_transformers_assisted'], '.2f', 'x')} | "
+            f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
+            f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
+            f"{_fmt(r['acceptance'])} |")
+    notes = ["serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
+             + ", ".join(f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead"].items())]
+    notes += [f"MISMATCH: {m['system']} at {m['concurrency']} streams differs from server plain on {m['prompt']}"
+              for m in summary["mismatches"]]
+    if not summary["mismatches"]:
+        notes.append("every speculative text equals the server's plain text (greedy, same prompts, all modes "
+                     "in a crowd); the timed runs give each request a first line of its own, so none reuses "
+                     "another run's KV cache")
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def write_png(path: str, summary: dict, title: str) -> None:
+    """Left: each server mode's total tokens/s by concurrency (shortest prompts); right: every
+    system at one stream by prompt length; both over plain transformers generate."""
+    plt = require_matplotlib()
+    rows = summary["rows"]
+    shortest = min(r["prompt_tokens"] for r in rows)
+    figure, (by_streams, by_length) = plt.subplots(1, 2, figsize=(13, 5))
+    try:
+        servers = [s for s in dict.fromkeys(r["system"] for r in rows) if s.startswith("server")]
+        levels = sorted({r["concurrency"] for r in rows})
+        _grouped_bars(by_streams, rows, servers, [(shortest, c) for c in levels],
+                      [f"{c} stream{'s' if c > 1 else ''}" for c in levels])
+        by_streams.set_ylabel("total tok/s over plain transformers generate (1 stream)")
+        by_streams.set_title(f"{shortest}-token prompts, by concurrency")
+        lengths = sorted({r["prompt_tokens"] for r in rows})
+        _grouped_bars(by_length, rows, list(dict.fromkeys(r["system"] for r in rows if r["concurrency"] == 1)),
+                      [(n, 1) for n in lengths], [f"{n} tokens" for n in lengths])
+        by_length.set_title("one stream, by prompt length")
+        save_figure(figure, path, title)
+    finally:
+        plt.close(figure)
+
+
+def _grouped_bars(axis, rows, systems, groups, labels) -> None:
+    """One bar per system in each (prompt tokens, concurrency) group: its ratio to plain transformers generate."""
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        values = [next((r["vs_transformers_generate"] or 0 for r in rows if r["system"] == system
+                        and (r["prompt_tokens"], r["concurrency"]) == group), 0) for group in groups]
+        bars = axis.bar([x + i * width for x in range(len(groups))], values, width, label=system)
+        axis.bar_label(bars, fmt="%.2f", fontsize=7)
+    axis.axhline(1.0, color="0.3", linewidth=1, linestyle="--")
+    axis.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(groups))], labels)
+    axis.legend(fontsize=8)
+
+
+def machine() -> str:
+    """The CPU this ran on (README numbers say which machine they came from)."""
+    model = platform.processor() or "unknown CPU"
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name") and model in ("", "unknown CPU", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model}, {os.cpu_count()} vCPU, {' '.join(features) or 'no AVX2'}"
+
+
+# -- command line --------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-compare", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     epilog="Start the server first (`make serve`). Exit status: 0 ok, 1 a "
+                                     "speculative text differed from plain decoding, 2 usage or server error.")
+    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
+    parser.add_argument("--concurrency", type=parse_windows, default=[1, 2, 4, 8], metavar="N,N,...",
+                        help="streams at once for the server runs (default 1,2,4,8; at the shortest prompt length)")
+    parser.add_argument("--prompt-tokens", type=parse_windows, default=[150, 750, 2000], metavar="N,N,...",
+                        help="prompt lengths (default 150,750,2000; longer ones run at one stream)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per length (default 2)")
+    parser.add_argument("--fixed-window", type=int, default=4, help="window of the fixed mode (default 4)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads of the in-process peers (default 2, the engines' num_threads)")
+    parser.add_argument("--skip-peers", action="store_true", help="only the server runs")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--png", metavar="PATH")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table (for the README's Measured section)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        if args.max_tokens < 1 or args.prompts < 1 or not args.concurrency or not args.prompt_tokens:
+            raise BenchError("--max-tokens and --prompts must be at least 1; --concurrency and --prompt-tokens "
+                             "need a value")
+        if args.png:
+            require_matplotlib()
+        from tokenizers import Tokenizer
+
+        from coordinator.serving.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir, prepare_model
+
+        target_dir = prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
+        draft_dir = prepare_model(DEFAULT_DRAFT, default_cache_dir(), "draft")
+        tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+        prompts = held_out_prompts(sorted(args.prompt_tokens), args.prompts,
+                                   lambda text: len(tokenizer.encode(text).ids))
+        started = datetime.datetime.now(datetime.timezone.utc)
+        measurements: list[Measurement] = []
+        if not args.skip_peers:
+            progress("peers, in-process (the server is idle meanwhile)")
+            measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress)
+        shortest = min(prompts)
+        plan = [(shortest, c) for c in sorted(set(args.concurrency))]
+        plan += [(length, 1) for length in sorted(prompts) if length != shortest]
+        for length, concurrency in plan:
+            for mode in SERVER_MODES:
+                m = run_server(args.url, mode, prompts[length], concurrency, args.max_tokens, args.fixed_window,
+                               length, tag=f"{mode} {length} {concurrency}")
+                measurements.append(m)
+                progress(f"server {mode}, {length}-token prompts, {concurrency} streams: "
+                         f"{m.tokens_per_second:.2f} tok/s total")
+        # Identity: the same prompts in every mode, in a crowd of the largest concurrency.
+        crowd = max(args.concurrency)
+        identity = [run_server(args.url, mode, prompts[shortest], crowd, args.max_tokens, args.fixed_window,
+                               shortest) for mode in SERVER_MODES]
+        progress(f"identity pass: {len(SERVER_MODES)} modes, {crowd} streams")
+    except BenchError as error:
+        print(f"specdec-compare: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    summary = summarise(measurements, identity)
+    table = format_table(summary)
+    where = machine()
+    print(f"\n{where}; greedy, max_tokens {args.max_tokens}, prompts per length {args.prompts}\n\n{table}")
+    code = EXIT_MISMATCH if summary["mismatches"] else EXIT_OK
+    if args.json:
+        write_json(args.json, {"command": " ".join(["specdec-compare", *argv]), "machine": where,
+                               "timestamp": started.isoformat(timespec="seconds"), "summary": summary,
+                               "prompts": {str(k): [asdict(p) | {"text": None} for p in v] for k, v in prompts.items()},
+                               "measurements": [asdict(m) | {"texts": None} for m in measurements],
+                               "exit_code": code})
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"Measured on {where} with `specdec-compare {' '.join(argv)}`.\n\n{table}\n")
+    if args.png:
+        write_png(args.png, summary, f"{where}, greedy, {args.max_tokens} tokens")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

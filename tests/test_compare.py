@@ -1,0 +1,62 @@
+"""specdec-compare's pure parts: held-out prompt sets, ratios, identity, the table."""
+
+from coordinator.compare import ASSISTED, ENGINE, PLAIN_GENERATE, Measurement, format_table, held_out_prompts, summarise
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_prompt_sets_are_held_out_problems_of_about_the_length():
+    sets = held_out_prompts([40, 400], 2, words)
+    for length, prompts in sets.items():
+        assert len(prompts) == 2
+        for prompt in prompts:
+            numbers = [int(n) for n in prompt.prompt_id.split("+")]
+            assert all(100 <= n <= 163 for n in numbers)  # never the development range
+            assert prompt.tokens == words(prompt.text)
+            assert prompt.tokens >= length or len(numbers) == 1
+            assert len(numbers) == 1 or prompt.tokens <= 1.3 * length
+        assert len({p.prompt_id for p in prompts}) == 2  # distinct problems per prompt
+    assert all("+" in p.prompt_id for p in sets[400])  # long prompts join several problems
+
+
+def measurement(system, tokens_per_second, concurrency=1, length=150, texts=None, first_text=(1.0,)):
+    m = Measurement(system, length, concurrency, requests=1, completion_tokens=int(tokens_per_second * 10),
+                    seconds=10.0, first_text=list(first_text))
+    m.texts = texts or {}
+    return m
+
+
+def test_ratios_against_the_peers_the_servers_plain_mode_and_one_stream():
+    runs = [measurement(PLAIN_GENERATE, 4.0), measurement(ASSISTED, 5.0), measurement(ENGINE, 5.0),
+            measurement("server plain", 4.0), measurement("server adaptive", 8.0, first_text=(1.1,)),
+            measurement("server plain", 12.0, concurrency=4), measurement("server adaptive", 16.0, concurrency=4)]
+    summary = summarise(runs, identity=[])
+    rows = {(r["system"], r["concurrency"]): r for r in summary["rows"]}
+    adaptive = rows["server adaptive", 1]
+    assert adaptive["vs_transformers_generate"] == 2.0 and adaptive["vs_transformers_assisted"] == 1.6
+    assert adaptive["vs_server_plain"] == 2.0 and abs(adaptive["first_text_vs_server_plain"] - 1.1) < 1e-9
+    crowd = rows["server adaptive", 4]
+    assert crowd["vs_one_stream"] == 2.0 and abs(crowd["vs_server_plain"] - 16 / 12) < 1e-9
+    assert rows[PLAIN_GENERATE, 1]["vs_server_plain"] is None  # peers have no server-plain ratio
+    assert abs(summary["serving_overhead"]["150"] - 0.25) < 1e-9  # engine 5.0 over server plain 4.0
+    assert "| server adaptive | 150 | 4 | 16.00 | 4.00x |" in format_table(summary)
+
+
+def test_a_speculative_text_that_differs_from_plain_is_reported():
+    identity = [measurement("server plain", 1, texts={"100": "a", "101": "b"}),
+                measurement("server adaptive", 1, texts={"100": "a", "101": "c"})]
+    summary = summarise([], identity)
+    assert summary["mismatches"] == [{"system": "server adaptive", "prompt": "101", "concurrency": 1}]
+    assert "MISMATCH: server adaptive" in format_table(summary)
+
+
+def test_the_png_is_written(tmp_path):
+    from coordinator.compare import write_png
+
+    runs = [measurement(PLAIN_GENERATE, 4.0), measurement(ASSISTED, 5.0), measurement("server plain", 4.0),
+            measurement("server adaptive", 8.0), measurement("server plain", 12.0, concurrency=4),
+            measurement(PLAIN_GENERATE, 3.0, length=750), measurement("server plain", 3.0, length=750)]
+    write_png(str(tmp_path / "out" / "compare.png"), summarise(runs, identity=[]), "test")
+    assert (tmp_path / "out" / "compare.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
