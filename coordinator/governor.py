@@ -12,7 +12,9 @@ next epoch at a load is the one measured faster; the other is tried again
 after ``explore_every`` epochs (or while it has fewer than two epochs
 measured), so a change of workload is noticed. Static schedules such as
 TensorRT-LLM's ``draft_len_schedule`` fix this per batch size in advance;
-this one is measured on the machine it runs on.
+this one is measured on the machine it runs on. A request decoding alone has
+no one to take from, and its own cost model sees every cost: one stream is
+not governed.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ class LoadGovernor:
     def emitted(self, tokens: int, streams: int) -> None:
         """``tokens`` were emitted by one request while ``streams`` requests were decoding."""
         now = self.clock()
-        bucket = load_bucket(streams)
+        bucket = load_bucket(streams) if streams > 1 else None  # one stream: not governed
         if bucket != self._bucket:  # the load changed: a partial epoch measures nothing
             self._bucket, self._started, self._tokens = bucket, now, 0
+        if bucket is None:
+            return
         self._tokens += tokens
         elapsed = now - self._started
         if elapsed < self.epoch_seconds:

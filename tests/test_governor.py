@@ -43,16 +43,24 @@ def test_plain_decoding_wins_where_it_serves_more_tokens_and_speculation_is_retr
 def test_each_load_has_its_own_regime_and_speculation_keeps_winning_where_it_pays():
     clock = Clock()
     governor = LoadGovernor(epoch_seconds=10.0, explore_every=4, clock=clock)
-    governor.emitted(0, 1)
-    seen = regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=1, epochs=10)
+    governor.emitted(0, 2)
+    seen = regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=2, epochs=10)
     assert seen.count(SPECULATE) >= 7 and seen[4:7] == [SPECULATE] * 3
     assert governor.speculation_allowed(8)  # nothing measured at 8 streams: speculation is the default
+
+
+def test_one_stream_is_not_governed():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 1)
+    regimes_over(governor, clock, {SPECULATE: 1.0, PLAIN: 9.0}, streams=1, epochs=6)
+    assert governor.rates == {} and governor.speculation_allowed(1)
 
 
 def test_an_epoch_cut_short_by_a_change_of_load_measures_nothing():
     clock = Clock()
     governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    for streams in (1, 2, 1, 2, 1, 2):
+    for streams in (2, 4, 2, 4, 2, 4):
         clock.now += 6.0
         governor.emitted(10, streams)
     assert governor.rates == {}
