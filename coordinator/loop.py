@@ -254,6 +254,8 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
     ended = False
     async with aclosing(target.stream(context, stretch, replace(sampling, seed=seed))) as chunks:
         async for tokens in chunks:
+            if ended or got >= stretch:
+                continue  # read the stream to its final response: that releases the engine's request at once
             now = clock()
             tokens = [int(t) for t in tokens][: stretch - got]
             emitted = before_end(tokens, end_ids)
@@ -264,8 +266,6 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
             if emitted or ended:
                 yield Round(emitted, 0, 0, ended, 0.0, now - last)
             last = now
-            if ended or got >= stretch:
-                break
     if not ended and got < stretch:  # fewer tokens than asked and no end token: the engine stopped at the end
         yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0)
 

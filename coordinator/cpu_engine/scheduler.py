@@ -82,13 +82,13 @@ class Call:
             return
         before = len(self.plain.tokens)
         following = self.plain.next_token(logits[-1])
+        if following is None:
+            self.result = self.plain.result()  # finished first, so a streaming reader sees the last step as final
+        else:
+            self.feed = [following]
         new = self.plain.tokens[before:]
         if new and self.on_tokens is not None:
             self.on_tokens(self, new)
-        if following is None:
-            self.result = self.plain.result()
-        else:
-            self.feed = [following]
 
     def cached_tokens(self) -> np.ndarray:
         """The tokens whose keys and values the sequence's cache holds once the call is finished."""

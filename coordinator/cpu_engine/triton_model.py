@@ -7,7 +7,7 @@ The model is decoupled, as TensorRT-LLM's is with in-flight batching:
 ``execute`` only queues the calls, and one engine thread runs forwards over
 whatever is queued, so calls that arrive during a forward join the next one.
 With ``streaming`` true, a plain call sends its tokens as they are generated
-(one response per forward) and an empty final response; otherwise one
+(one response per forward, the last one flagged final); otherwise one
 response with all tokens, flagged final."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class TritonPythonModel:
         self._gauges = _engine_gauges(self.name)
         self._report()
         self._senders: dict[int, tuple[object, bool]] = {}  # call id -> (response sender, streaming)
+        self._streamed: dict[int, int] = {}  # call id -> tokens already streamed
         self._wake = threading.Condition()
         self._incoming: list[tuple[object, EngineRequest, bool]] = []
         self._stopping = False
@@ -137,21 +138,26 @@ class TritonPythonModel:
             self._report()
 
     def _stream(self, call, tokens) -> None:
-        sender, _ = self._senders[id(call)]
-        _send(sender, tokens, None, flags=0)
+        """A streaming call's new tokens; the last step's go out with the final flag (``_answer``),
+        as TensorRT-LLM's last streamed response carries it: no response is a flag alone."""
+        if not call.finished:
+            sender, _ = self._senders[id(call)]
+            _send(sender, tokens, None, flags=0)
+            self._streamed[id(call)] = self._streamed.get(id(call), 0) + len(tokens)
 
     def _answer(self, call) -> None:
         sender, streaming = self._senders.pop(id(call))
+        streamed = self._streamed.pop(id(call), 0)
         try:
             result = self.engine.result(call)
         except Exception as error:
             log.error("%s: call failed: %s", self.name, error)
             _send_error(sender, f"{self.name}: internal error: {error}")
             return
-        if streaming and call.plain is not None:  # the tokens went out as they came
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        else:
-            _send(sender, result.tokens, result.logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        tokens, logits = result.tokens, result.logits
+        if streaming and call.plain is not None:  # the earlier tokens went out as they came
+            tokens, logits = tokens[streamed:], None
+        _send(sender, tokens, logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _report(self) -> None:
         if self._gauges is not None:
