@@ -233,12 +233,12 @@ def needs_faults(server):
         pytest.skip("fault injection is only set up on the server the tests start (not SPECDEC_TEST_SERVER)")
 
 
-def failing_draft_request(server, seed_name):
+def failing_draft_request(server, seed_name, **sampling):
     prompt = "def mean(values):\n    "
     before = metrics_text(server)
     started = time.monotonic()
     result = complete(server, prompt, max_tokens=FAULT_TOKENS, speculation_window=4, adaptive_window=False,
-                      seed=FAULT_SEEDS[seed_name], timeout=120)
+                      seed=FAULT_SEEDS[seed_name], timeout=120, **sampling)
     elapsed = time.monotonic() - started
     after = metrics_text(server)
     plain = complete(server, prompt, max_tokens=FAULT_TOKENS, speculation_window=0)
@@ -258,17 +258,32 @@ def test_a_raising_draft_degrades_the_request_to_target_only(triton_server):
     assert_serving(triton_server)
 
 
-def test_a_draft_slower_than_the_deadline_degrades_the_request_to_target_only(triton_server):
+def test_a_draft_slower_than_the_deadline_never_delays_a_greedy_request(triton_server):
+    """A greedy request's draft prefills the prompt in the background while the
+    target decodes: a draft that answers late never holds the request up; it
+    completes on the target alone, lossless, long before the deadline."""
     needs_faults(triton_server)
     started = time.monotonic()
-    result, plain, elapsed, before, after = failing_draft_request(triton_server, "draft_late")
-    deadline = triton_server.draft_deadline
+    result, plain, elapsed, _, _ = failing_draft_request(triton_server, "draft_late")
     assert result.completion_tokens == FAULT_TOKENS and result.text == plain.text
     assert result.draft_tokens == 0
+    assert elapsed < triton_server.draft_deadline
+    # let the late draft call finish before the next test drafts again
+    time.sleep(max(0.0, DRAFT_LATE_SECONDS + 1 - (time.monotonic() - started)))
+    assert_serving(triton_server)
+
+
+def test_a_draft_slower_than_the_deadline_degrades_a_sampled_request_to_target_only(triton_server):
+    """A sampled request's first speculative round waits for the draft: past
+    draft_timeout_seconds the request goes on with the target alone and says so."""
+    needs_faults(triton_server)
+    started = time.monotonic()
+    result, _, elapsed, before, after = failing_draft_request(triton_server, "draft_late", temperature=0.7)
+    deadline = triton_server.draft_deadline
+    assert result.completion_tokens == FAULT_TOKENS and result.draft_tokens == 0
     assert result.fallback_reason == f"draft model failed: draft did not answer within {deadline:g} s (draft_timeout_seconds)"
     assert deadline <= elapsed < DRAFT_LATE_SECONDS + 60
     assert metric(after, "specdec_draft_failures_total") - metric(before, "specdec_draft_failures_total") == 1
-    # let the late draft call finish before the next test drafts again
     time.sleep(max(0.0, DRAFT_LATE_SECONDS + 1 - (time.monotonic() - started)))
     assert_serving(triton_server)
 
