@@ -29,6 +29,7 @@ from coordinator.tokenizer import Codec, SpecialTokens
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader left early
 
 
 class BlsEngine:
@@ -100,9 +101,12 @@ class BlsEngine:
                 yield response
         finally:
             # A reader that stops early (a cancelled request, a stop word) still
-            # takes the rest of the stream, so the engine's request is released.
-            async for _ in responses:
-                pass
+            # takes the rest of the stream, so the engine's request is released;
+            # bounded, because a stream whose request Triton cancelled may never end.
+            try:
+                await asyncio.wait_for(_drain(responses), DRAIN_SECONDS)
+            except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
+                log.info("%s: left an engine stream unread: %r", self.model_name, error)
 
 
 def _tokens(response) -> list[int] | None:
@@ -112,6 +116,11 @@ def _tokens(response) -> list[int] | None:
         return None
     lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
     return generated_tokens(output_ids.as_numpy(), lengths)
+
+
+async def _drain(responses) -> None:
+    async for _ in responses:
+        pass
 
 
 async def _as_async(responses):
