@@ -172,8 +172,9 @@ def server_inputs(mode: str, prompt: str, max_tokens: int, fixed_window: int):
 
 
 def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max_tokens: int, fixed_window: int,
-               length: int, tag: str = "") -> Measurement:
-    """``concurrency`` streams at once, each running every prompt (stream i starts at prompt i).
+               length: int, tag: str = "", seconds: float | None = None) -> Measurement:
+    """``concurrency`` streams at once, each running every prompt (stream i starts at prompt i);
+    with ``seconds``, each stream goes on through the prompts until that time has passed.
 
     With ``tag``, each request's prompt starts with a comment line of its own
     (tag, stream, step), so no request reuses the KV cache another run left
@@ -189,7 +190,8 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
     def stream(index: int) -> None:
         try:
             with grpcclient.InferenceServerClient(url) as client:
-                for step in range(len(prompts)):
+                step = 0
+                while step < len(prompts) if seconds is None else time.perf_counter() - started < seconds:
                     prompt = prompts[(index + step) % len(prompts)]
                     text = f"# {tag} {index}.{step}\n{prompt.text}" if tag else prompt.text
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
@@ -201,6 +203,7 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
                         if completion.time_to_first_chunk is not None:
                             measurement.first_text.append(completion.time_to_first_chunk)
                         measurement.texts.setdefault(prompt.prompt_id, completion.text)
+                    step += 1
         except BaseException as error:  # reported after the run
             errors.append(error)
 
@@ -357,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-window", type=int, default=4, help="window of the fixed mode (default 4)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads of the in-process peers (default 2, the engines' num_threads)")
+    parser.add_argument("--warmup-seconds", type=float, default=45.0,
+                        help="before each server run at more than one stream, the same load for this long, "
+                        "unmeasured: a server in service has measured its load (default 45: the load governor "
+                        "measures each regime for two 10 s epochs)")
     parser.add_argument("--skip-peers", action="store_true", help="only the server runs")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
@@ -396,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         plan += [(length, 1) for length in sorted(prompts) if length != shortest]
         for length, concurrency in plan:
             for mode in SERVER_MODES:
+                if concurrency > 1 and args.warmup_seconds > 0:  # the same load, unmeasured
+                    run_server(args.url, mode, prompts[length], concurrency, args.max_tokens, args.fixed_window,
+                               length, tag=f"warm-up {mode} {length} {concurrency}", seconds=args.warmup_seconds)
                 m = run_server(args.url, mode, prompts[length], concurrency, args.max_tokens, args.fixed_window,
                                length, tag=f"{mode} {length} {concurrency}")
                 measurements.append(m)

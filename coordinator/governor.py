@@ -10,7 +10,13 @@ costmodel.load_bucket), each epoch runs one regime for all requests
 emitted together are averaged per (load bucket, regime). The regime of the
 next epoch at a load is the one measured faster; the other is tried again
 after ``explore_every`` epochs (or while it has fewer than two epochs
-measured), so a change of workload is noticed. Static schedules such as
+measured), so a change of workload is noticed. A load with nothing measured
+yet starts from plain decoding when a lower load has measured plain faster:
+what speculation gains shrinks as the batch grows (each added stream makes a
+plain forward cheaper per token, and its verification rows and draft calls
+take compute the others need), so the first epochs at the higher load are
+not spent re-learning the loss; speculation is still explored there every
+``explore_every`` epochs. Static schedules such as
 TensorRT-LLM's ``draft_len_schedule`` fix this per batch size in advance;
 this one is measured on the machine it runs on. A request decoding alone has
 no one to take from, and its own cost model sees every cost: one stream is
@@ -42,7 +48,18 @@ class LoadGovernor:
     _tokens: int = 0
 
     def speculation_allowed(self, streams: int) -> bool:
-        return self.regimes.get(load_bucket(streams), SPECULATE) == SPECULATE
+        return self._regime(load_bucket(streams)) == SPECULATE
+
+    def _regime(self, bucket: int) -> str:
+        if bucket in self.regimes:
+            return self.regimes[bucket]
+        lower = [b for b in self.regimes if b < bucket]
+        return PLAIN if lower and self.regimes[max(lower)] == PLAIN and self._measured_plain(max(lower)) else SPECULATE
+
+    def _measured_plain(self, bucket: int) -> bool:
+        plain, speculate = self.rates.get((bucket, PLAIN)), self.rates.get((bucket, SPECULATE))
+        return (plain is not None and speculate is not None and min(plain.samples, speculate.samples) >= MIN_EPOCHS
+                and plain.value > speculate.value)
 
     def emitted(self, tokens: int, streams: int) -> None:
         """``tokens`` were emitted by one request while ``streams`` requests were decoding."""
@@ -56,7 +73,11 @@ class LoadGovernor:
         elapsed = now - self._started
         if elapsed < self.epoch_seconds:
             return
-        regime = self.regimes.get(bucket, SPECULATE)
+        if bucket not in self.regimes:
+            self.regimes[bucket] = self._regime(bucket)
+            if self.regimes[bucket] == PLAIN:  # inherited: speculation waits for its turn to explore
+                self._since_explore[bucket] = 0
+        regime = self.regimes[bucket]
         self.rates.setdefault((bucket, regime), MovingAverage()).add(self._tokens / elapsed, weight=0.3)
         self.regimes[bucket] = self._next(bucket, regime)
         self._started, self._tokens = now, 0
@@ -70,13 +91,17 @@ class LoadGovernor:
         mine, theirs = self.rates.get((bucket, regime)), self.rates.get((bucket, other))
         if mine is None or mine.samples < MIN_EPOCHS:
             return regime
+        if theirs is None and regime == PLAIN and self._since_explore.get(bucket) is not None:
+            return self._count_towards_exploring(bucket, regime, other)  # inherited plain
         if theirs is None or theirs.samples < MIN_EPOCHS:
             return other
         best = regime if mine.value >= theirs.value else other
-        if best == regime:
-            explored = self._since_explore.get(bucket, 0) + 1
-            self._since_explore[bucket] = explored
-            if explored >= self.explore_every:
-                self._since_explore[bucket] = 0
-                return other
-        return best
+        return self._count_towards_exploring(bucket, regime, other) if best == regime else best
+
+    def _count_towards_exploring(self, bucket: int, regime: str, other: str) -> str:
+        explored = self._since_explore.get(bucket, 0) + 1
+        self._since_explore[bucket] = explored
+        if explored >= self.explore_every:
+            self._since_explore[bucket] = 0
+            return other
+        return regime

@@ -82,3 +82,25 @@ def governor_bucket(streams):
     from coordinator.costmodel import load_bucket
 
     return load_bucket(streams)
+
+
+def test_a_higher_load_starts_plain_where_a_lower_one_measured_plain_faster_and_still_explores():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=4, clock=clock)
+    governor.emitted(0, 2)
+    regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
+    assert not governor.speculation_allowed(2)
+    assert not governor.speculation_allowed(4) and not governor.speculation_allowed(8)  # inherited, nothing measured
+    governor.emitted(0, 4)
+    seen = regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=10)
+    # plain (measured for two epochs, then four more until its turn to explore), then speculation is
+    # measured for two epochs and, faster here, wins
+    assert seen[:5] == [PLAIN] * 5 and seen[5:] == [SPECULATE] * 5
+
+
+def test_a_higher_load_starts_speculating_where_the_lower_one_found_speculation_faster():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 2)
+    regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=2, epochs=6)
+    assert governor.speculation_allowed(4)
