@@ -38,6 +38,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from coordinator.api import COUNTED, Statistics
 from coordinator.client import MODEL, Completion, build_inputs, stream_completion
 from coordinator.costmodel import acceptance_from_rounds, predicted_speedup
 
@@ -197,20 +198,11 @@ class PromptResult:
 
 
 @dataclass
-class Totals:
-    """Sums over the prompts of one mode."""
+class Totals(Statistics):
+    """Sums over the prompts of one mode (the counted statistics, summed)."""
 
     prompts: int = 0
-    completion_tokens: int = 0
     seconds: float = 0.0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    speculative_rounds: int = 0
-    plain_rounds: int = 0
-    rejected_rounds: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    plain_seconds: float = 0.0
     fallbacks: int = 0  # prompts whose completion reported a fallback_reason
     first_chunk_seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -241,16 +233,9 @@ def aggregate(completions: Iterable[Completion]) -> Totals:
     totals = Totals()
     for c in completions:
         totals.prompts += 1
-        totals.completion_tokens += c.completion_tokens
         totals.seconds += c.seconds
-        totals.draft_tokens += c.draft_tokens
-        totals.accepted_draft_tokens += c.accepted_draft_tokens
-        totals.speculative_rounds += c.speculative_rounds
-        totals.plain_rounds += c.plain_rounds
-        totals.rejected_rounds += c.rejected_rounds
-        totals.draft_seconds += c.draft_seconds
-        totals.verify_seconds += c.verify_seconds
-        totals.plain_seconds += c.plain_seconds
+        for name in COUNTED:
+            setattr(totals, name, getattr(totals, name) + getattr(c, name))
         totals.fallbacks += bool(c.fallback_reason)
         if c.time_to_first_chunk is not None:
             totals.first_chunk_seconds.append(c.time_to_first_chunk)

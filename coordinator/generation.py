@@ -8,10 +8,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from coordinator.api import Statistics
+
 from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
+from coordinator.drafters import PROMPT_LOOKUP, ModelDrafter, make_drafter
 from coordinator.governor import LoadGovernor
-from coordinator.loop import Engine, Round, speculative_decode
+from coordinator.loop import Engine, Round, speculative_decode, with_deadline
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
 from coordinator.request import GenerationRequest, check_context, check_prompt_size
@@ -19,34 +22,21 @@ from coordinator.text import CompletionText
 from coordinator.tokenizer import Codec
 
 
-@dataclass
-class Stats:
-    """Per-request statistics, sent with the final response."""
-
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    completion_tokens: int = 0
-    speculative_rounds: int = 0  # rounds that verified drafted tokens
-    plain_rounds: int = 0  # plain target steps
-    rejected_rounds: int = 0  # speculative rounds that rejected a draft token
-    draft_seconds: float = 0.0  # in draft engine calls
-    verify_seconds: float = 0.0  # in target calls of speculative rounds
-    plain_seconds: float = 0.0  # in target calls of plain rounds
-    fallback_reason: str = ""  # why speculation last stopped ("" if it never did)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+class Stats(Statistics):
+    """Per-request statistics (the public ones, coordinator/api.py), sent with the final response."""
 
     def add(self, round_: Round) -> None:
         self.draft_tokens += round_.drafted
         self.accepted_draft_tokens += round_.accepted
+        self.acceptance_rate = self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
         self.completion_tokens += len(round_.tokens)
         self.draft_seconds += round_.draft_seconds
         if round_.drafted:
             self.speculative_rounds += 1
             self.rejected_rounds += round_.accepted < round_.drafted
             self.verify_seconds += round_.target_seconds
+            if round_.drafter == PROMPT_LOOKUP:
+                self.lookup_draft_tokens += round_.drafted
         else:
             self.plain_rounds += 1
             self.plain_seconds += round_.target_seconds
@@ -95,16 +85,24 @@ async def generate_text(
     )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
+    end_ids = codec.special.eos_token_ids
+    drafter = make_drafter(
+        request.drafter or settings.drafter,
+        model=lambda: ModelDrafter(draft, request.draft_sampling or request.sampling, tuple(end_ids),
+                                   catch_up_after=policy.max_window + 1,
+                                   deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
+        max_ngram=settings.prompt_lookup_max_ngram,
+        min_ngram=settings.prompt_lookup_min_ngram,
+        confident_ngram=settings.hybrid_min_match,
+    )
     rounds = speculative_decode(
         prompt_ids,
         request.max_tokens,
-        draft=draft,
+        drafter=drafter,
         target=target,
         policy=policy,
         sampling=request.sampling,
-        draft_sampling=request.draft_sampling,
-        end_ids=codec.special.eos_token_ids,
-        draft_timeout=settings.draft_timeout_seconds,
+        end_ids=end_ids,
         plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
     )
     costs.streams += 1  # the load the cost model plans for

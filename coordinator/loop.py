@@ -44,9 +44,10 @@ from typing import Protocol
 
 import numpy as np
 
+from coordinator.drafters import DRAFT_MODEL, Drafter, ModelDrafter, Proposal
 from coordinator.engine_semantics import before_end, common_prefix_length
 from coordinator.policy import Mode, SpeculationPolicy
-from coordinator.sampling import SamplingParams, call_seed, draft_log_probs
+from coordinator.sampling import SamplingParams, call_seed
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Round:
     finished: bool  # end token reached or token budget spent
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    drafter: str = ""  # which drafter proposed this round's drafts ("" for a plain round)
 
 
 def reached_end_by_count(returned: int, accepted: int, requested: int, verified: bool) -> bool:
@@ -122,40 +124,47 @@ async def speculative_decode(
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     *,
-    draft: Engine,
     target: Engine,
     policy: SpeculationPolicy,
     sampling: SamplingParams,
     end_ids: Collection[int],
+    draft: Engine | None = None,
+    drafter: Drafter | None = None,
     draft_sampling: SamplingParams | None = None,
     clock: Callable[[], float] = time.perf_counter,
     draft_timeout: float | None = None,
     plain_stretch: int = 1,
 ) -> AsyncIterator[Round]:
-    """``draft_sampling``: how the draft samples (defaults to ``sampling``;
-    another temperature stays lossless because the target is told q).
-    ``draft_timeout``: seconds a draft call may take (None or 0: no deadline).
+    """``drafter`` proposes the drafts (coordinator/drafters.py); without it, the
+    ``draft`` engine does, sampling as ``draft_sampling`` (defaults to
+    ``sampling``; another temperature stays lossless because the target is told q).
+    ``draft_timeout``: seconds a draft engine call may take (None or 0: no deadline).
     ``plain_stretch``: most tokens one plain call may generate (1: a call per token)."""
-    draft_sampling = draft_sampling or sampling
-    want_logits = not sampling.greedy
+    if drafter is None:
+        if draft is None:
+            raise ValueError("speculative_decode needs a drafter or a draft engine")
+        drafter = ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids), policy.max_window + 1,
+                               deadline=lambda call: with_deadline(call, draft_timeout), clock=clock)
+    want_distribution = not sampling.greedy
     context = list(prompt_ids)
     produced = 0
-    # Context length each engine had already processed at its last call: a call
-    # that has to catch up on more than one round's tokens (the prompt prefill,
-    # or the draft after plain rounds) is not a steady-state cost sample.
-    draft_seen = target_seen = 0
-    warmup: asyncio.Task | None = None  # the draft's prompt prefill, in the background
+    # Whether the target had processed the context up to its last round: a call
+    # that has to catch up on more (the prompt prefill) is not a steady-state sample.
+    target_seen = 0
+    warmup: asyncio.Task | None = None  # the draft model's prompt prefill, in the background
+    warmed = False
     try:
         while produced < max_new_tokens:
             remaining = max_new_tokens - produced
-            k = min(policy.window(len(context)), remaining - 1)
+            chooses = drafter.chooses(context)
+            k = min(policy.window(len(context), chooses), remaining - 1)
             position = len(context)  # of the first new token: the calls' seeds depend on it
-            if k > 0 and warmup is not None and not warmup.done():
+            if k > 0 and warmup is not None and not warmup.done() and chooses == DRAFT_MODEL:
                 await asyncio.sleep(0)  # let a warm-up that is about to finish finish
                 if not warmup.done():
                     k = 0  # the draft is still prefilling the prompt: decode plainly meanwhile
             if warmup is not None and warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
-                error, warmup = warmup.exception(), None  # handled once (draft_seen keeps it from restarting)
+                error, warmup = warmup.exception(), None  # handled once (warmed keeps it from restarting)
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
                 k = 0
@@ -174,69 +183,54 @@ async def speculative_decode(
                         yield replace(round_, finished=finished)
                         if round_.finished:
                             return
-                if (warmup is None and sampling.greedy and draft_seen == 0 and policy.max_window > 0
+                if (not warmed and sampling.greedy and policy.max_window > 0
                         and policy.mode is not Mode.DRAFT_FAILED and not policy.held_back):
-                    warmup = asyncio.ensure_future(_with_deadline(
-                        _warm_up(draft, context, draft_sampling, sampling.seed), draft_timeout))
-                    draft_seen = len(context)
+                    warmed = True
+                    work = drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"))
+                    if work is not None:
+                        warmup = asyncio.ensure_future(work)
                 continue
-            proposal: list[int] = []
-            proposal_logits = None
             started = clock()
             try:
-                if len(context) - draft_seen > policy.max_window + 1:
-                    # The draft is behind (the prompt, or a stretch of plain rounds): it catches up in
-                    # a call of its own, so the timed call below is a steady-state cost sample.
-                    await _with_deadline(draft.generate(
-                        context, 1, replace(draft_sampling, seed=call_seed(sampling.seed, position, "draft"))),
-                        draft_timeout)
-                    draft_seen = len(context)
-                    started = clock()
-                drafted = await _with_deadline(
-                    draft.generate(context, k, replace(draft_sampling, seed=call_seed(sampling.seed, position, "draft")),
-                                   return_logits=want_logits),
-                    draft_timeout,
-                )
-                # the target decides the end itself: the draft's end token is not proposed
-                proposal = before_end(list(drafted.tokens)[:k], end_ids)
-                if want_logits and proposal:
-                    proposal_logits = await _draft_log_probs(drafted, len(proposal), draft_sampling)
+                proposal = await drafter.propose(context, k, call_seed(sampling.seed, position, "draft"),
+                                                 want_distribution)
             except Exception as error:  # the request goes on without the draft
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
-                proposal, proposal_logits = [], None
+                proposal = Proposal(chooses, [])
             draft_seconds = clock() - started
-            requested = len(proposal) + 1
+            drafts = proposal.tokens[:k]
+            requested = len(drafts) + 1
             started = clock()
             verified = await target.generate(
                 context, requested, replace(sampling, seed=call_seed(sampling.seed, position, "target")),
-                draft_tokens=proposal, draft_logits=proposal_logits,
+                draft_tokens=drafts, draft_logits=proposal.log_probs if drafts else None,
             )
             target_seconds = clock() - started
             steady = target_seen > 0  # the target caught up on one round's tokens at most
-            draft_steady = bool(proposal)  # the draft caught up first when it was behind
             target_seen = len(context)
-            if proposal:
-                draft_seen = len(context)
+            if drafts:
+                drafter.verified(len(context))
             returned = [int(t) for t in verified.tokens]
             if len(returned) > requested:
-                raise EngineError(f"target returned {len(returned)} tokens for a round of {len(proposal)} draft tokens")
-            matched = common_prefix_length(returned, proposal)
+                raise EngineError(f"target returned {len(returned)} tokens for a round of {len(drafts)} draft tokens")
+            matched = common_prefix_length(returned, drafts)
             emitted = before_end(returned[:remaining], end_ids)
             accepted = min(matched, len(emitted))
             # an engine that returns the end token, or one that stops before it
             ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
-                len(returned), matched, requested, verified=bool(proposal))
-            if proposal:
+                len(returned), matched, requested, verified=bool(drafts))
+            if drafts:
                 # a call that caught up on more than a round's tokens is not a steady-state sample
-                policy.record(len(proposal), accepted, draft_seconds if draft_steady else None,
-                              target_seconds if steady else None)
+                policy.record(len(drafts), accepted, proposal.seconds, target_seconds if steady else None,
+                              drafter=proposal.drafter)
             else:
                 policy.record_plain(target_seconds if steady else None)
             context += emitted
             produced += len(emitted)
             finished = ended or produced >= max_new_tokens
-            yield Round(emitted, len(proposal), accepted, finished, draft_seconds, target_seconds)
+            yield Round(emitted, len(drafts), accepted, finished, draft_seconds, target_seconds,
+                        drafter=proposal.drafter if drafts else "")
             if ended:
                 return
     finally:
@@ -270,12 +264,7 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
         yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0)
 
 
-async def _warm_up(draft: Engine, context: list[int], draft_sampling: SamplingParams, seed: int) -> None:
-    """Have the draft prefill the prompt (its KV cache then serves the first round)."""
-    await draft.generate(context, 1, replace(draft_sampling, seed=call_seed(seed, len(context), "draft")))
-
-
-async def _with_deadline(call, timeout: float | None):
+async def with_deadline(call, timeout: float | None):
     """Await an engine call, giving up after ``timeout`` seconds (DraftTimeout).
 
     The call itself is shielded, not cancelled: an engine request already
@@ -294,11 +283,3 @@ async def _with_deadline(call, timeout: float | None):
 def _drop_result(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.info("a late draft call failed after its deadline: %s", task.exception())
-
-
-async def _draft_log_probs(drafted: EngineOutput, k: int, draft_sampling: SamplingParams) -> np.ndarray:
-    """log q of the first k drafted tokens, computed off the event loop (k rows
-    over the whole vocabulary: milliseconds that other streams need not wait for)."""
-    if drafted.logits is None or len(drafted.logits) < k:
-        raise EngineError("the draft returned no generation_logits for a sampled request")
-    return await asyncio.to_thread(draft_log_probs, np.asarray(drafted.logits[:k]), draft_sampling)

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.config import MAX_SPECULATION_WINDOW
 from coordinator.costmodel import CONTEXT_BUCKETS, LOAD_BUCKETS, context_bucket, context_label, load_bucket, load_label
+from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
 from coordinator.loop import Round
 from coordinator.policy import Mode, SpeculationPolicy
 
@@ -36,8 +38,28 @@ def _spec(name, kind, description, labels=(), buckets=None) -> MetricSpec:
     return MetricSpec(name, kind, description, tuple(labels), None if buckets is None else tuple(buckets))
 
 
-DRAFT_TOKENS = _spec("specdec_draft_tokens_total", COUNTER, "Draft tokens proposed to the target")
-ACCEPTED_TOKENS = _spec("specdec_accepted_draft_tokens_total", COUNTER, "Draft tokens the target accepted")
+DRAFT_TOKENS = {
+    drafter: _spec("specdec_draft_tokens_total", COUNTER, "Draft tokens proposed to the target, by drafter",
+                   [("drafter", drafter)])
+    for drafter in (DRAFT_MODEL, PROMPT_LOOKUP)
+}
+ACCEPTED_TOKENS = {
+    drafter: _spec("specdec_accepted_draft_tokens_total", COUNTER, "Draft tokens the target accepted, by drafter",
+                   [("drafter", drafter)])
+    for drafter in (DRAFT_MODEL, PROMPT_LOOKUP)
+}
+# Per draft position (0 = the first drafted token of a round), as vLLM exposes
+# them: where in the window acceptance runs out.
+DRAFTED_AT = {
+    position: _spec("specdec_drafted_at_position_total", COUNTER, "Rounds that drafted a token at this position",
+                    [("position", str(position))])
+    for position in range(MAX_SPECULATION_WINDOW)
+}
+ACCEPTED_AT = {
+    position: _spec("specdec_accepted_at_position_total", COUNTER,
+                    "Rounds whose drafted token at this position was accepted", [("position", str(position))])
+    for position in range(MAX_SPECULATION_WINDOW)
+}
 EMITTED_TOKENS = _spec("specdec_emitted_tokens_total", COUNTER, "Completion tokens emitted to clients")
 SPECULATIVE_ROUNDS = _spec(
     "specdec_rounds_total", COUNTER, "Decoding rounds: a speculative round is one target call, a plain round one plain target step", [("kind", "speculative")]
@@ -59,7 +81,7 @@ FALLBACK_ACTIVE = _spec(
 )
 DRAFT_COST = {
     bucket: _spec("specdec_draft_cost_ratio", GAUGE,
-                  "Draft cost per drafted token over one plain target step (c), by context length, at the current load",
+                  "Draft model cost per drafted token over one plain target step (c), by context length, at the current load",
                   [("context", context_label(bucket))])
     for bucket in range(len(CONTEXT_BUCKETS) + 1)
 }
@@ -102,8 +124,10 @@ INTER_TOKEN_LATENCY = _spec(
 )
 
 ALL_SPECS = (
-    DRAFT_TOKENS,
-    ACCEPTED_TOKENS,
+    *DRAFT_TOKENS.values(),
+    *ACCEPTED_TOKENS.values(),
+    *DRAFTED_AT.values(),
+    *ACCEPTED_AT.values(),
     EMITTED_TOKENS,
     SPECULATIVE_ROUNDS,
     PLAIN_ROUNDS,
@@ -150,12 +174,18 @@ class MetricsRecorder:
         get = self._get
         emitted = len(round_.tokens)
         if round_.drafted:
-            get(DRAFT_TOKENS).increment(round_.drafted)
-            get(ACCEPTED_TOKENS).increment(round_.accepted)
+            drafter = round_.drafter or DRAFT_MODEL
+            get(DRAFT_TOKENS[drafter]).increment(round_.drafted)
+            get(ACCEPTED_TOKENS[drafter]).increment(round_.accepted)
+            for position in range(min(round_.drafted, MAX_SPECULATION_WINDOW)):
+                get(DRAFTED_AT[position]).increment(1)
+                if position < round_.accepted:
+                    get(ACCEPTED_AT[position]).increment(1)
             get(SPECULATIVE_ROUNDS).increment(1)
             get(ACCEPTED_PER_ROUND).observe(round_.accepted)
             bucket = context_bucket(policy.context)
-            get(DRAFT_COST[bucket]).set(policy.costs.draft_cost(round_.drafted, policy.context))
+            if drafter == DRAFT_MODEL:  # prompt lookup's cost is a search: nothing to watch
+                get(DRAFT_COST[bucket]).set(policy.costs.draft_cost(round_.drafted, policy.context))
             get(VERIFY_COST[bucket]).set(policy.costs.verify_cost(round_.drafted, policy.context))
         else:
             get(PLAIN_ROUNDS).increment(1)

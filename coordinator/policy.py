@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from coordinator.costmodel import CostModel
+from coordinator.drafters import DRAFT_MODEL
 from coordinator.governor import LoadGovernor
 
 
@@ -73,7 +74,7 @@ class SpeculationPolicy:
 
     mode: Mode = Mode.SPECULATING
     reason: str = ""  # why the request last stopped speculating ("" if it never did)
-    _history: deque = field(default_factory=deque, repr=False)  # (drafted, accepted, rejected)
+    _history: deque = field(default_factory=deque, repr=False)  # (drafted, accepted, rejected, drafter)
     _plain_rounds: int = 0  # since the last probe
     _interval: int = 0
     _probe_drafted: int = 0
@@ -85,9 +86,9 @@ class SpeculationPolicy:
         self._interval = self.probe_interval
 
     # -- decisions ---------------------------------------------------------
-    def window(self, context: int = 0) -> int:
+    def window(self, context: int = 0, drafter: str = DRAFT_MODEL) -> int:
         """Tokens to draft in the next round (0: a plain target step) for a
-        sequence of ``context`` tokens."""
+        sequence of ``context`` tokens, priced for ``drafter``."""
         self._context = context
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
             return 0
@@ -99,28 +100,30 @@ class SpeculationPolicy:
             if self._plain_rounds < self._interval:
                 return 0
             if self.mode is Mode.UNPROFITABLE:
-                return self.costs.likeliest_window(self.acceptance_estimate(), self.max_window, context)
+                return self.costs.likeliest_window(self.acceptance_estimate(drafter), self.max_window, context,
+                                                   drafter=drafter)
             return min(self.probe_window, self.max_window)
         if not self.adaptive:
             return self.max_window
-        k, _ = self.costs.best_window(self.acceptance_estimate(), self.max_window, context)
+        k, _ = self.costs.best_window(self.acceptance_estimate(drafter), self.max_window, context, drafter=drafter)
         if k == 0:
             self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
         return k
 
-    def acceptance_estimate(self) -> float:
-        """Per-token acceptance a: the request's recent rounds plus a server-wide prior."""
-        prior = self.costs.server_acceptance(self.prior_acceptance)
-        accepted = sum(a for _, a, _ in self._history)
-        trials = accepted + sum(r for _, _, r in self._history)
+    def acceptance_estimate(self, drafter: str = DRAFT_MODEL) -> float:
+        """Per-token acceptance a of ``drafter``: the request's recent rounds plus a server-wide prior."""
+        prior = self.costs.server_acceptance(self.prior_acceptance, drafter)
+        mine = [(a, r) for _, a, r, name in self._history if name == drafter]
+        accepted = sum(a for a, _ in mine)
+        trials = accepted + sum(r for _, r in mine)
         return (accepted + self.prior_trials * prior) / (trials + self.prior_trials)
 
     def recent_acceptance(self) -> float | None:
         """accepted / drafted over the rolling history (None below min_evidence)."""
-        drafted = sum(d for d, _, _ in self._history)
+        drafted = sum(d for d, _, _, _ in self._history)
         if drafted < self.min_evidence:
             return None
-        return sum(a for _, a, _ in self._history) / drafted
+        return sum(a for _, a, _, _ in self._history) / drafted
 
     @property
     def held_back(self) -> bool:
@@ -138,20 +141,22 @@ class SpeculationPolicy:
 
     # -- observations ------------------------------------------------------
     def record(
-        self, drafted: int, accepted: int, draft_seconds: float | None = None, verify_seconds: float | None = None
+        self, drafted: int, accepted: int, draft_seconds: float | None = None, verify_seconds: float | None = None,
+        drafter: str = DRAFT_MODEL,
     ) -> None:
-        """A round that verified ``drafted`` tokens (``accepted`` of them) finished (timings if measured)."""
+        """A round that verified ``drafted`` tokens of ``drafter`` (``accepted`` of them) finished
+        (timings if measured)."""
         self._rounds += 1
         if drafted <= 0:
             return
         rejected = accepted < drafted
         if draft_seconds is not None:
-            self.costs.observe_draft(drafted, draft_seconds, self._context)
+            self.costs.observe_draft(drafted, draft_seconds, self._context, drafter=drafter)
         if verify_seconds is not None:
             self.costs.observe_verify(drafted, verify_seconds, self._context)
-        self.costs.observe_acceptance(accepted, rejected)
-        self._history.append((drafted, accepted, int(rejected)))
-        while sum(d for d, _, _ in self._history) - self._history[0][0] >= self.history_tokens:
+        self.costs.observe_acceptance(accepted, rejected, drafter)
+        self._history.append((drafted, accepted, int(rejected), drafter))
+        while sum(d for d, _, _, _ in self._history) - self._history[0][0] >= self.history_tokens:
             self._history.popleft()
         if self.mode is Mode.SPECULATING:
             rate = self.recent_acceptance()
@@ -163,7 +168,7 @@ class SpeculationPolicy:
             return
         if self.mode is Mode.DRAFT_FAILED:
             return
-        self._after_probe(drafted, accepted)
+        self._after_probe(drafted, accepted, drafter)
 
     def plain_rounds_planned(self) -> int:
         """Plain steps the policy will ask for before it may decide otherwise
@@ -194,11 +199,12 @@ class SpeculationPolicy:
         self._interval = self.probe_interval
         self._probe_drafted = self._probe_accepted = 0
 
-    def _after_probe(self, drafted: int, accepted: int) -> None:
+    def _after_probe(self, drafted: int, accepted: int, drafter: str) -> None:
         self._plain_rounds = 0
         if self.mode is Mode.UNPROFITABLE:
             # The probe refreshed the estimates; resume if any window now pays.
-            if self.costs.best_window(self.acceptance_estimate(), self.max_window, self._context)[0] > 0:
+            if self.costs.best_window(self.acceptance_estimate(drafter), self.max_window, self._context,
+                                      drafter=drafter)[0] > 0:
                 self.mode = Mode.SPECULATING
             return
         self._probe_drafted += drafted
@@ -209,7 +215,7 @@ class SpeculationPolicy:
             self.mode = Mode.SPECULATING
             # start afresh from the probes' evidence, not the rounds that caused the fallback
             probes = self._probe_drafted
-            while self._history and sum(d for d, _, _ in self._history) > probes:
+            while self._history and sum(d for d, _, _, _ in self._history) > probes:
                 self._history.popleft()
         else:
             self._back_off()

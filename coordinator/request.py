@@ -13,26 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.api import INPUT_NAMES
 from coordinator.config import CoordinatorSettings
+from coordinator.drafters import DRAFTERS
 from coordinator.sampling import SamplingParams
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256
 MAX_TEMPERATURE = 100.0
 
-INPUT_NAMES = (
-    "text_input",
-    "max_tokens",
-    "speculation_window",
-    "adaptive_window",
-    "temperature",
-    "draft_temperature",
-    "top_k",
-    "top_p",
-    "random_seed",
-    "stop_words",
-    "stream",
-)
 
 
 # Request parameters Triton itself defines (the parameters extension); any other
@@ -56,6 +45,7 @@ class GenerationRequest:
     draft_sampling: SamplingParams | None = None  # how the draft samples (None: as the target)
     stop_words: tuple[str, ...] = ()
     stream: bool = False
+    drafter: str = ""  # who drafts ("": the server's drafter)
 
 
 def parse_request(
@@ -107,6 +97,11 @@ def parse_request(
     adaptive_value = _scalar(inputs, "adaptive_window")
     adaptive = bool(adaptive_value) if adaptive_value is not None else settings.adaptive_window
 
+    drafter_value = _scalar(inputs, "drafter")
+    drafter = settings.drafter if drafter_value is None else _utf8("drafter", drafter_value)
+    if drafter not in DRAFTERS:
+        raise InputError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     draft_sampling = None
     if draft_temperature != temperature:
@@ -120,6 +115,7 @@ def parse_request(
         draft_sampling=draft_sampling,
         stop_words=stop_words,
         stream=stream,
+        drafter=drafter,
     )
 
 

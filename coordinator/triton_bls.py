@@ -23,7 +23,8 @@ from coordinator.generation import Chunk, RequestCancelled, generate_text
 from coordinator.governor import LoadGovernor
 from coordinator.loop import EngineError, EngineOutput
 from coordinator.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
-from coordinator.request import INPUT_NAMES, InputError, check_parameters, parse_request
+from coordinator.api import INPUT_NAMES
+from coordinator.request import InputError, check_parameters, parse_request
 from coordinator.sampling import SamplingParams
 from coordinator.tokenizer import Codec, SpecialTokens
 
@@ -243,20 +244,5 @@ def _cancelled(request, sender) -> bool:
 def _response(text: str, final: Chunk | None):
     tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
     if final is not None:
-        stats = final.stats
-        tensors += [
-            pb_utils.Tensor("total_draft_tokens", np.array([stats.draft_tokens], dtype=np.int32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_draft_tokens], dtype=np.int32)),
-            pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
-            pb_utils.Tensor("completion_tokens", np.array([stats.completion_tokens], dtype=np.int32)),
-            pb_utils.Tensor("speculative_rounds", np.array([stats.speculative_rounds], dtype=np.int32)),
-            pb_utils.Tensor("plain_rounds", np.array([stats.plain_rounds], dtype=np.int32)),
-            pb_utils.Tensor("rejected_rounds", np.array([stats.rejected_rounds], dtype=np.int32)),
-            pb_utils.Tensor("draft_seconds", np.array([stats.draft_seconds], dtype=np.float32)),
-            pb_utils.Tensor("verify_seconds", np.array([stats.verify_seconds], dtype=np.float32)),
-            pb_utils.Tensor("plain_seconds", np.array([stats.plain_seconds], dtype=np.float32)),
-            pb_utils.Tensor(
-                "fallback_reason", np.array([stats.fallback_reason.encode("utf-8")], dtype=np.object_)
-            ),
-        ]
+        tensors += [pb_utils.Tensor(name, array) for name, array in final.stats.outputs().items()]
     return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -31,6 +31,8 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from coordinator.api import STATISTICS, Statistics
+
 MODEL = "coordinator"
 DEFAULT_WINDOW = 5
 _END_STREAM = object()
@@ -61,16 +63,18 @@ def _tensor(response, name: str, datatype: str, raw: bytes) -> None:
     response.raw_output_contents.append(raw)
 
 
-def _response(request, text: str, stats: dict | None, final: bool):
+def _response(request, text: str, stats: Statistics | None, final: bool):
     response = service_pb2.ModelInferResponse(model_name=MODEL, model_version="1", id=request.id)
     encoded = text.encode("utf-8")
     _tensor(response, "text_output", "BYTES", struct.pack("<I", len(encoded)) + encoded)
-    if stats is not None:
-        _tensor(response, "total_draft_tokens", "INT32", np.int32(stats["drafted"]).tobytes())
-        _tensor(response, "total_accepted_draft_tokens", "INT32", np.int32(stats["accepted"]).tobytes())
-        rate = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
-        _tensor(response, "acceptance_rate", "FP32", np.float32(rate).tobytes())
-        _tensor(response, "completion_tokens", "INT32", np.int32(stats["tokens"]).tobytes())
+    if stats is not None:  # every statistic of the public contract, as the coordinator sends them
+        for spec in STATISTICS:
+            array = stats.outputs()[spec.name]
+            if spec.data_type == "TYPE_STRING":
+                raw = b"".join(struct.pack("<I", len(item)) + item for item in array)
+            else:
+                raw = array.tobytes()
+            _tensor(response, spec.name, spec.wire_type, raw)
     response.parameters["triton_final_response"].bool_param = final
     return service_pb2.ModelStreamInferResponse(infer_response=response)
 
@@ -138,7 +142,8 @@ class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
                 pieces.append(chunk)
             if not context.is_active():
                 return
-        stats = {"tokens": emitted, "drafted": drafted, "accepted": accepted}
+        stats = Statistics(draft_tokens=drafted, accepted_draft_tokens=accepted,
+                           acceptance_rate=accepted / drafted if drafted else 0.0, completion_tokens=emitted)
         yield _response(request, "" if stream else "".join(pieces), stats, True)
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from coordinator.api import Statistics
+
 MODEL = "coordinator"
 POLL_SECONDS = 0.5  # how often a waiting request checks that its stream is still open
 
@@ -38,7 +40,7 @@ class RequestFailed(Exception):
 
 
 @dataclass
-class Timing:
+class Timing(Statistics):
     """What one request measured. Times are seconds since ``started`` (a
     ``time.time()`` stamp, so requests from several machines line up)."""
 
@@ -46,9 +48,6 @@ class Timing:
     latency: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty text chunk
     text: str = ""
-    completion_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -121,12 +120,7 @@ def timed_completion(client: grpcclient.InferenceServerClient, inputs, *, timeou
                 if delta:
                     timing.chunk_times.append(arrived - start)
                     timing.text += delta
-            if result.as_numpy("completion_tokens") is not None:
-                timing.completion_tokens = int(result.as_numpy("completion_tokens").reshape(-1)[0])
-                drafted = result.as_numpy("total_draft_tokens")
-                accepted = result.as_numpy("total_accepted_draft_tokens")
-                timing.draft_tokens = int(drafted.reshape(-1)[0]) if drafted is not None else 0
-                timing.accepted_draft_tokens = int(accepted.reshape(-1)[0]) if accepted is not None else 0
+            timing.read(result.as_numpy)  # the statistics, on the final response
             if _final(result.get_response()):
                 timing.latency = arrived - start
                 if result.as_numpy("completion_tokens") is None and not timing.completion_tokens:

@@ -1,6 +1,15 @@
 """specdec-compare's pure parts: held-out prompt sets, ratios, identity, the table."""
 
-from coordinator.compare import ASSISTED, ENGINE, PLAIN_GENERATE, Measurement, format_table, held_out_prompts, summarise
+from coordinator.compare import (
+    ASSISTED,
+    ENGINE,
+    PLAIN_GENERATE,
+    Measurement,
+    copy_prompts,
+    format_table,
+    held_out_prompts,
+    summarise,
+)
 
 
 def words(text: str) -> int:
@@ -41,7 +50,7 @@ def test_ratios_against_the_peers_the_servers_plain_mode_and_one_stream():
     assert crowd["vs_one_stream"] == 2.0 and abs(crowd["vs_server_plain"] - 16 / 12) < 1e-9
     assert rows[PLAIN_GENERATE, 1]["vs_server_plain"] is None  # peers have no server-plain ratio
     assert abs(summary["serving_overhead"]["150"] - 0.25) < 1e-9  # engine 5.0 over server plain 4.0
-    assert "| server adaptive | 150 | 4 | 16.00 | 4.00x |" in format_table(summary)
+    assert "| server adaptive | humaneval 150 | 4 | 16.00 | 4.00x |" in format_table(summary)
 
 
 def test_a_speculative_text_that_differs_from_plain_is_reported():
@@ -60,3 +69,11 @@ def test_the_png_is_written(tmp_path):
             measurement(PLAIN_GENERATE, 3.0, length=750), measurement("server plain", 3.0, length=750)]
     write_png(str(tmp_path / "out" / "compare.png"), summarise(runs, identity=[]), "test")
     assert (tmp_path / "out" / "compare.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_copy_heavy_prompts_show_a_held_out_function_then_start_it_again():
+    prompts = copy_prompts(2, words)
+    assert [p.prompt_id for p in prompts] == ["copy-100", "copy-101"]
+    for prompt in prompts:
+        signature = next(line for line in prompt.text.splitlines() if line.startswith("def "))
+        assert prompt.text.count(signature) == 2 and prompt.text.rstrip().endswith('"""')

@@ -5,9 +5,12 @@ so the one coordinator drives the CPU engine and TensorRT-LLM alike."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests._config_helpers import data_type_name, engine_names, model_config, parameter, profiles
+from coordinator import api
 from coordinator.contract import ENGINE_INPUTS, ENGINE_OUTPUTS, REQUIRED_ENGINE_PARAMETERS, TensorSpec
 
 CASES = [(profile, role) for profile in profiles() for role in ("target", "draft")]
@@ -91,3 +94,44 @@ def test_engines_are_called_the_same_way_in_every_profile(role):
         assert config.model_transaction_policy.decoupled == decoupled, (
             f"{config.name} ({profile}): decoupled must match the coordinator's engine_decoupled")
     assert len({c.model_transaction_policy.decoupled for c in configs.values()}) == 1
+
+
+# ---- the coordinator's public contract (coordinator/api.py) ---------------------------------------------
+
+
+def declared(tensors) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    return {t.name: (data_type_name(t.data_type), tuple(t.dims), bool(getattr(t, "optional", False))) for t in tensors}
+
+
+def contract(specs) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    return {s.name: (s.data_type, s.dims, s.optional) for s in specs}
+
+
+@pytest.mark.parametrize("profile", profiles())
+def test_the_coordinator_declares_exactly_the_public_inputs_and_outputs(profile):
+    config = model_config("coordinator", profile)
+    assert declared(config.input) == contract(api.INPUTS)
+    # outputs are never optional in a config; the statistics come with the final response only
+    assert {k: v[:2] for k, v in declared(config.output).items()} == {k: v[:2] for k, v in contract(api.OUTPUTS).items()}
+
+
+def test_every_statistic_reaches_the_wire_and_comes_back():
+    """What the server sends (Statistics.outputs) is what a client reads back (Statistics.read), field by
+    field: a statistic added to the contract needs no copy anywhere else."""
+    sent = api.Statistics(**{name: (7.5 if spec.data_type == "TYPE_FP32" else "why" if spec.data_type == "TYPE_STRING"
+                                    else 7) for spec, name in api._specs()})
+    arrays = sent.outputs()
+    assert set(arrays) == {spec.name for spec in api.STATISTICS}
+    received = api.Statistics()
+    received.read(arrays.get)
+    assert received == sent
+
+
+def test_the_client_the_load_test_and_the_bench_carry_every_statistic():
+    from coordinator.bench import Totals
+    from coordinator.client import Completion
+    from loadtests.grpc_stream import Timing
+
+    names = {name for _, name in api._specs()}
+    for carrier in (Completion, Timing, Totals):
+        assert names <= {f.name for f in dataclasses.fields(carrier)}, carrier

@@ -364,6 +364,7 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
     assert window == int(pbtxt_parameter(config, "speculation_window"))
     assert threshold == float(pbtxt_parameter(config, "fallback_threshold"))
     assert data["SPECDEC_ADAPTIVE_WINDOW"] == pbtxt_parameter(config, "adaptive_window")
+    assert data["SPECDEC_DRAFTER"] == pbtxt_parameter(config, "drafter")
     # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
     from coordinator.config import ENV_OVERRIDES
 

@@ -3,6 +3,7 @@ import asyncio
 import pytest
 
 from coordinator.costmodel import CostModel
+from coordinator.drafters import DRAFT_MODEL
 from coordinator.loop import (
     EngineError,
     EngineOutput,
@@ -294,7 +295,7 @@ def test_prefill_and_draft_catch_up_calls_are_not_cost_samples():
     # first call (the prompt's prefill) is not sampled; the draft prefills the prompt
     # in an untimed catch-up call of its own, so all three of its rounds are samples.
     timings = costs.cell(context=200)
-    assert timings.verify[3].samples == 2 and timings.draft[3].samples == 3
+    assert timings.verify[3].samples == 2 and timings.draft[DRAFT_MODEL][3].samples == 3
     assert timings.plain_step.samples == 1
     assert draft.calls[0] == (1, 0)  # the catch-up
 

@@ -2,10 +2,13 @@ from collections import defaultdict
 
 import pytest
 
+from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
 from coordinator.loop import Round
 from coordinator.metrics import (
+    ACCEPTED_AT,
     ACCEPTED_PER_ROUND,
     ACCEPTED_TOKENS,
+    DRAFTED_AT,
     ALL_SPECS,
     DRAFT_FAILURES,
     DRAFT_TOKENS,
@@ -77,7 +80,7 @@ def test_rounds_update_counters_gauges_and_histograms():
     clock.now += 0.3
     request.round(Round([4], drafted=0, accepted=0, finished=True), policy)
     request.finish("success")
-    assert made[DRAFT_TOKENS].total == 4 and made[ACCEPTED_TOKENS].total == 2
+    assert made[DRAFT_TOKENS[DRAFT_MODEL]].total == 4 and made[ACCEPTED_TOKENS[DRAFT_MODEL]].total == 2
     assert made[EMITTED_TOKENS].total == 4
     assert made[SPECULATIVE_ROUNDS].total == 1 and made[PLAIN_ROUNDS].total == 1
     assert made[ACCEPTED_PER_ROUND].observed == [2]
@@ -86,6 +89,18 @@ def test_rounds_update_counters_gauges_and_histograms():
     # tokens 2 and 3 arrived with the first; token 4 after 0.3 s
     assert made[INTER_TOKEN_LATENCY].observed == [0.0, 0.0, pytest.approx(0.3)]
     assert made[REQUESTS["success"]].total == 1
+
+
+def test_acceptance_is_counted_per_drafter_and_per_draft_position():
+    metrics, made, _ = recorder()
+    policy = SpeculationPolicy(5, 0.3, adaptive=False)
+    request = metrics.start_request()
+    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False, drafter=DRAFT_MODEL), policy)
+    request.round(Round([4, 5, 6, 7, 8, 9], drafted=5, accepted=5, finished=False, drafter=PROMPT_LOOKUP), policy)
+    assert made[DRAFT_TOKENS[DRAFT_MODEL]].total == 4 and made[ACCEPTED_TOKENS[DRAFT_MODEL]].total == 2
+    assert made[DRAFT_TOKENS[PROMPT_LOOKUP]].total == 5 and made[ACCEPTED_TOKENS[PROMPT_LOOKUP]].total == 5
+    assert [made[DRAFTED_AT[i]].total for i in range(6)] == [2, 2, 2, 2, 1, 0]
+    assert [made[ACCEPTED_AT[i]].total for i in range(6)] == [2, 2, 1, 1, 1, 0]
 
 
 def test_fallback_gauge_counts_requests_in_fallback_and_drops_them_when_done():

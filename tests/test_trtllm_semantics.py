@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator import loop as loop_module  # noqa: E402
+from coordinator import drafters as drafters_module  # noqa: E402
 from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest  # noqa: E402
 from coordinator.loop import speculative_decode  # noqa: E402
 from coordinator.policy import SpeculationPolicy  # noqa: E402
@@ -236,7 +236,7 @@ def test_power_raw_draft_logits_under_a_temperature_are_detected(target, draft, 
     backend reads with a plain softmax, so at temperature 0.7 its q is not
     what the draft sampled from. The same check must reject that."""
     params = SamplingParams(temperature=0.7, top_k=5)
-    monkeypatch.setattr(loop_module, "draft_log_probs", lambda logits, draft_params: np.asarray(logits, np.float32))
+    monkeypatch.setattr(drafters_module, "draft_log_probs", lambda logits, draft_params: np.asarray(logits, np.float32))
     joint = exact_first_two(target, params)
     speculative, _ = sample_first_two(target, draft, params, window=3, n=N_PAIR)
     assert min(pvalues(speculative, joint)) < ALPHA

@@ -1,0 +1,151 @@
+"""Drafters (coordinator/drafters.py): prompt lookup's matching, the hybrid's
+choice, and the loop with each of them: greedy output equal to plain
+decoding, and sampled output distributed as the target's when the drafts
+come without a distribution (token matching)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from coordinator.costmodel import CostModel
+from coordinator.drafters import (
+    DRAFT_MODEL,
+    HYBRID,
+    PROMPT_LOOKUP,
+    HybridDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    lookup,
+    make_drafter,
+)
+from coordinator.loop import speculative_decode
+from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.sampling import SamplingParams, processed_probs
+from tests.fakes import VOCAB, ToyEngine, toy_logits
+from tests.stats import gof_pvalue
+
+GREEDY = SamplingParams()
+
+
+def test_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix_that_occurs():
+    #          0  1  2  3  4  5  6  7  8  9
+    context = [7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2]
+    assert lookup(context, 3, max_ngram=3, min_ngram=1) == (2, [4, 5, 1])  # "1 2" last seen at 5: then 4 5 1
+    assert lookup([5, 6, 1, 2, 3, 8, 2, 3], 2, 3, 1) == (2, [8, 2])
+    assert lookup([1, 2, 3, 4], 4, 3, 1) == (0, [])  # the last token never occurred before
+    assert lookup([1, 2, 3, 1, 2, 3, 1], 10, 3, 1) == (3, [2, 3, 1])  # runs up to the end of the context
+    assert lookup([4, 4, 4, 4], 2, 3, 2) == (3, [4])
+    assert lookup([1, 2], 0, 3, 1) == (0, [])
+
+
+def test_lookup_prefers_a_longer_match_over_a_more_recent_shorter_one():
+    context = [1, 2, 3, 50, 9, 3, 60, 1, 2, 3]  # "3" alone last continues with 60; "1 2 3" with 50
+    assert lookup(context, 1, max_ngram=3, min_ngram=1) == (3, [50])
+    assert lookup(context, 1, max_ngram=1, min_ngram=1) == (1, [60])
+
+
+class CountingEngine(ToyEngine):
+    pass
+
+
+def test_the_hybrid_uses_prompt_lookup_only_where_the_match_is_confident():
+    model = ModelDrafter(ToyEngine(), GREEDY, (), catch_up_after=6)
+    hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3), confident_ngram=3)
+    assert hybrid.chooses([1, 2, 3, 9, 1, 2, 3]) == PROMPT_LOOKUP
+    assert hybrid.chooses([1, 2, 3, 9, 8, 2, 3]) == DRAFT_MODEL  # only "2 3" matches
+    proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 1, 2, 3], 4, seed=0, distribution=True))
+    assert proposal.drafter == PROMPT_LOOKUP and proposal.tokens == [9, 1, 2, 3] and proposal.log_probs is None
+    proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 8, 2, 3], 2, seed=0, distribution=False))
+    assert proposal.drafter == DRAFT_MODEL and len(proposal.tokens) == 2
+
+
+def test_make_drafter_names_every_drafter_and_refuses_others():
+    model = lambda: ModelDrafter(ToyEngine(), GREEDY, (), catch_up_after=6)  # noqa: E731
+    assert make_drafter(DRAFT_MODEL, model=model).name == DRAFT_MODEL
+    assert make_drafter(PROMPT_LOOKUP, model=model).name == PROMPT_LOOKUP
+    assert make_drafter(HYBRID, model=model).name == HYBRID
+    with pytest.raises(ValueError, match="unknown drafter 'ngram'"):
+        make_drafter("ngram", model=model)
+
+
+def decode(prompt, max_new, drafter_name, target, window=5, sampling=GREEDY, policy=None, draft=None):
+    policy = policy or SpeculationPolicy(window, 0.0, costs=CostModel(), adaptive=False, first_round_plain=False)
+    draft = draft or ToyEngine()
+    drafter = make_drafter(drafter_name, model=lambda: ModelDrafter(draft, sampling, (999,), window + 1))
+
+    async def collect():
+        return [r async for r in speculative_decode(prompt, max_new, drafter=drafter, target=target, policy=policy,
+                                                    sampling=sampling, end_ids=(999,))]
+
+    return asyncio.run(collect()), policy
+
+
+def repeating(context):
+    """A target that copies: after any token it likes the token that followed it last time."""
+    logits = toy_logits(context)
+    for i in range(len(context) - 2, -1, -1):
+        if context[i] == context[-1]:
+            logits[context[i + 1]] += 12.0
+            break
+    return logits
+
+
+@pytest.mark.parametrize("drafter", [DRAFT_MODEL, PROMPT_LOOKUP, HYBRID])
+def test_greedy_output_equals_plain_decoding_with_every_drafter(drafter):
+    prompt = [3, 8, 1, 4, 9, 2, 7, 3, 8, 1]
+    plain, _ = decode(prompt, 40, drafter, ToyEngine(repeating), window=0)
+    rounds, _ = decode(prompt, 40, drafter, ToyEngine(repeating))
+    assert [t for r in rounds for t in r.tokens] == [t for r in plain for t in r.tokens]
+    assert sum(r.drafted for r in rounds) > 0
+    assert {r.drafter for r in rounds if r.drafted} <= {DRAFT_MODEL, PROMPT_LOOKUP}
+
+
+def test_prompt_lookup_on_a_copying_target_accepts_most_drafts_and_needs_few_target_calls():
+    prompt = [3, 8, 1, 4, 9, 2, 7, 3, 8, 1]
+    target = ToyEngine(repeating)
+    rounds, _ = decode(prompt, 40, PROMPT_LOOKUP, target)
+    drafted, accepted = sum(r.drafted for r in rounds), sum(r.accepted for r in rounds)
+    assert accepted / drafted > 0.8
+    assert len(target.calls) <= 20  # for 40 tokens (plain decoding: 40)
+
+
+def peaked(context):
+    """Most mass on a few tokens, so a sampled first-two-token joint has few cells."""
+    rng = np.random.default_rng([len(context), *context[-2:]])
+    logits = np.full(VOCAB, -30.0)
+    logits[[1, 2, 3, 4]] = rng.normal(0.0, 1.0, 4)
+    return logits
+
+
+def test_sampled_requests_with_prompt_lookup_are_lossless_and_keep_speculating():
+    """Drafts without a distribution are verified by token matching: the first two emitted
+    tokens follow the target's exact joint distribution, and no request stops speculating
+    for want of logits."""
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2]  # lookup proposes what followed "1 2": 4 1 2
+    params = SamplingParams(temperature=1.0, seed=0)
+    first = processed_probs(peaked(prompt), params)
+    joint = np.stack([first[t] * processed_probs(peaked(prompt + [t]), params) for t in range(VOCAB)])
+    samples, drafted = [], 0
+    for seed in range(3000):
+        target = ToyEngine(peaked)
+        rounds, policy = decode(prompt, 3, PROMPT_LOOKUP, target, window=2,
+                                sampling=SamplingParams(temperature=1.0, seed=seed))
+        tokens = [t for r in rounds for t in r.tokens]
+        samples.append(tokens[0] * VOCAB + tokens[1])
+        drafted += sum(r.drafted for r in rounds)
+        assert policy.mode is Mode.SPECULATING and not target.received_draft_logits
+    assert drafted > 3000  # every request drafted
+    assert gof_pvalue(np.bincount(samples, minlength=VOCAB * VOCAB), joint.reshape(-1)) > 1e-4
+
+
+def test_each_drafter_is_priced_by_its_own_cost_and_acceptance():
+    costs = CostModel()
+    policy = SpeculationPolicy(5, 0.0, costs=costs, first_round_plain=False)
+    costs.observe_plain(0.2)
+    for _ in range(8):
+        policy.record(4, 4, draft_seconds=0.0004, verify_seconds=0.25, drafter=PROMPT_LOOKUP)
+        policy.record(4, 0, draft_seconds=0.24, verify_seconds=0.25, drafter=DRAFT_MODEL)
+    assert costs.draft_cost(4, drafter=PROMPT_LOOKUP) < 0.01 < costs.draft_cost(4, drafter=DRAFT_MODEL)
+    assert policy.acceptance_estimate(PROMPT_LOOKUP) > 0.8 > 0.3 > policy.acceptance_estimate(DRAFT_MODEL)
+    assert policy.window(0, PROMPT_LOOKUP) > 0
