@@ -15,25 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-NUMPY_TYPES = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_UINT64": np.uint64,
-               "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
-WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32",
-              "TYPE_BOOL": "BOOL"}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    data_type: str  # Triton config spelling, e.g. "TYPE_INT32"
-    dims: tuple[int, ...]
-    meaning: str
-    optional: bool = True
-
-    @property
-    def wire_type(self) -> str:
-        """The type's name in the KServe protocol (tritonclient's InferInput datatype)."""
-        return WIRE_TYPES[self.data_type]
-
+from coordinator.contract import TensorSpec
 
 INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_input", "TYPE_STRING", (1,), "the prompt", optional=False),
@@ -88,7 +70,7 @@ class Statistics:
             if spec.data_type == "TYPE_STRING":
                 arrays[spec.name] = np.array([str(value).encode("utf-8")], dtype=np.object_)
             else:
-                arrays[spec.name] = np.array([value], dtype=NUMPY_TYPES[spec.data_type])
+                arrays[spec.name] = np.array([value], dtype=spec.numpy_dtype)
         return arrays
 
     def read(self, output: Callable[[str], np.ndarray | None]) -> None:
@@ -105,6 +87,18 @@ class Statistics:
             else:
                 value = int(value)
             setattr(self, name, value)
+
+
+    def problem(self, max_tokens: int, speculation: bool = True) -> str | None:
+        """What breaks the contract in a final response's statistics (None: nothing): a
+        client that checks its responses (the soak, the load test) calls this."""
+        if self.completion_tokens > max_tokens:
+            return f"{self.completion_tokens} tokens for max_tokens {max_tokens}"
+        if not 0 <= self.accepted_draft_tokens <= self.draft_tokens:
+            return f"{self.accepted_draft_tokens} accepted of {self.draft_tokens} drafted tokens"
+        if not speculation and self.draft_tokens:
+            return f"{self.draft_tokens} tokens drafted with speculation_window 0"
+        return None
 
 
 def _specs() -> list[tuple[TensorSpec, str]]:

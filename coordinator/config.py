@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from coordinator.contract import SEED_INPUT_NAMES
 from coordinator.drafters import DRAFTERS
+from coordinator.policy import PolicySettings
 
 MAX_NGRAM = 16  # longest prompt lookup n-gram accepted
 
@@ -71,7 +72,10 @@ class CoordinatorSettings:
     # Longest and shortest n-gram prompt lookup matches (it tries the longest first).
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
-    hybrid_min_match: int = 2
+    hybrid_min_match: int = 3
+    # The speculation policy's tuning values (coordinator/policy.py): set with
+    # parameters of their own names (history_tokens, min_evidence, ...).
+    policy: PolicySettings = field(default_factory=PolicySettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.speculation_window <= MAX_SPECULATION_WINDOW:
@@ -106,6 +110,9 @@ class CoordinatorSettings:
         if not 1 <= self.hybrid_min_match <= self.prompt_lookup_max_ngram:
             raise SettingsError(f"hybrid_min_match must be between 1 and prompt_lookup_max_ngram "
                                 f"({self.prompt_lookup_max_ngram}), got {self.hybrid_min_match}")
+        problems = self.policy.check()
+        if problems:
+            raise SettingsError("; ".join(problems))
         if self.max_context_tokens < 2:
             raise SettingsError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
 
@@ -115,7 +122,9 @@ class CoordinatorSettings:
     ) -> CoordinatorSettings:
         """Build settings from Triton parameters; unknown keys are an error."""
         environ = os.environ if environ is None else environ
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if f.name != "policy"}
+        tuning = {f.name: f for f in fields(PolicySettings)}
+        known.update(tuning)
         unknown = sorted(set(parameters) - set(known))
         if unknown:
             raise SettingsError(f"unknown coordinator parameter(s): {', '.join(unknown)}; known: {', '.join(known)}")
@@ -130,7 +139,8 @@ class CoordinatorSettings:
                 values[name] = _convert(text, kind)
             except ValueError:
                 raise SettingsError(f"coordinator parameter {name} must be {kind}, got {text!r}") from None
-        return cls(**values)
+        policy = PolicySettings(**{k: values.pop(k) for k in list(values) if k in tuning})
+        return cls(**values, policy=policy)
 
 
 def _convert(text: str, kind: str):

@@ -15,22 +15,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+NUMPY_TYPES = {"TYPE_STRING": "object", "TYPE_INT32": "int32", "TYPE_UINT64": "uint64", "TYPE_FP32": "float32",
+               "TYPE_BOOL": "bool"}
+WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32",
+              "TYPE_BOOL": "BOOL"}
+
+
 @dataclass(frozen=True)
 class TensorSpec:
+    """A tensor of a model's config: of the engine contract here, of the
+    coordinator's public contract in coordinator/api.py."""
+
     name: str
     data_type: str  # Triton config spelling, e.g. "TYPE_INT32"
     dims: tuple[int, ...]
-    numpy_dtype: str
+    meaning: str = ""
+    optional: bool = True
+
+    @property
+    def numpy_dtype(self) -> str:
+        return NUMPY_TYPES[self.data_type]
+
+    @property
+    def wire_type(self) -> str:
+        """The type's name in the KServe protocol (tritonclient's InferInput datatype)."""
+        return WIRE_TYPES[self.data_type]
 
 
-def _spec(name: str, data_type: str, dims: tuple[int, ...]) -> TensorSpec:
-    numpy_dtype = {
-        "TYPE_INT32": "int32",
-        "TYPE_UINT64": "uint64",
-        "TYPE_FP32": "float32",
-        "TYPE_BOOL": "bool",
-    }[data_type]
-    return TensorSpec(name, data_type, dims, numpy_dtype)
+_spec = TensorSpec
 
 
 # Inputs the coordinator may send to an engine.

@@ -85,6 +85,16 @@ def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: floa
     return expected_tokens_per_round(alpha, k) / (k * draft_cost + verify_cost)
 
 
+def best_of(predictions: list[float]) -> tuple[int, float]:
+    """(K, speed-up) of the best window given the predicted speed-up of windows
+    1..len (index K - 1); (0, 1.0) when none beats plain decoding."""
+    best_k, best = 0, 1.0
+    for k, speedup in enumerate(predictions, start=1):
+        if speedup > best + 1e-9:
+            best_k, best = k, speedup
+    return best_k, best
+
+
 def acceptance_from_rounds(accepted: int, rejections: int) -> float | None:
     """Maximum-likelihood per-token acceptance a from rounds.
 
@@ -207,11 +217,7 @@ class CostModel:
     def best_window(self, alpha: float, max_window: int, context: int = 0,
                     streams: int | None = None, drafter: str = DRAFT_MODEL) -> tuple[int, float]:
         """(K, predicted speed-up) of the best window in 1..max_window; (0, 1.0) if none beats 1."""
-        best_k, best = 0, 1.0
-        for k, speedup in enumerate(self.predictions(alpha, max_window, context, streams, drafter), start=1):
-            if speedup > best + 1e-9:
-                best_k, best = k, speedup
-        return best_k, best
+        return best_of(self.predictions(alpha, max_window, context, streams, drafter))
 
     def likeliest_window(self, alpha: float, max_window: int, context: int = 0, streams: int | None = None,
                          drafter: str = DRAFT_MODEL) -> int:

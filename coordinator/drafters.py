@@ -155,7 +155,7 @@ class HybridDrafter:
 
     model: ModelDrafter
     lookup: PromptLookupDrafter
-    confident_ngram: int = 2
+    confident_ngram: int = 3
     name: str = HYBRID
     _last: str = ""  # the drafter of the latest proposal
 
@@ -208,7 +208,7 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tu
 
 
 def make_drafter(name: str, *, model: Callable[[], ModelDrafter], max_ngram: int = 3, min_ngram: int = 1,
-                 confident_ngram: int = 2) -> Drafter:
+                 confident_ngram: int = 3) -> Drafter:
     """The drafter called ``name`` for one request (``model`` builds its draft-model drafter)."""
     if name == DRAFT_MODEL:
         return model()

@@ -80,6 +80,7 @@ async def generate_text(
         settings.fallback_threshold,
         costs=costs,
         adaptive=request.adaptive_window,
+        settings=settings.policy,
         # a request that asked for a fixed window (or none) gets it: the load switch belongs to the adaptive mode
         governor=governor if request.adaptive_window and request.speculation_window > 0 else None,
     )

@@ -55,20 +55,45 @@ class Mode(str, Enum):
     DRAFT_FAILED = "draft_failed"
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """The rule's tuning values (the numbered rule above names each). The
+    server sets them with coordinator parameters of the same names
+    (coordinator/config.py); the defaults are here and nowhere else."""
+
+    history_tokens: int = 32  # drafted tokens the rolling acceptance looks back over
+    min_evidence: int = 8  # drafted tokens before the rolling acceptance (or the probes) may decide
+    probe_window: int = 2  # tokens a fallback probe drafts
+    probe_interval: int = 8  # plain rounds between probes
+    max_probe_interval: int = 64  # the longest interval after back-offs
+    hysteresis: float = 0.1  # probes resume speculation at fallback_threshold + this
+    prior_acceptance: float = 0.5  # a drafter's acceptance until the server has measured any
+    prior_trials: float = 4.0  # weight of the server-wide acceptance in a request's estimate, in trials
+
+    def check(self) -> list[str]:
+        """What is out of range, in words (empty: nothing)."""
+        problems = [f"{name} must be at least 1, got {getattr(self, name)}"
+                    for name in ("history_tokens", "min_evidence", "probe_window", "probe_interval")
+                    if getattr(self, name) < 1]
+        if self.max_probe_interval < self.probe_interval:
+            problems.append(f"max_probe_interval must be at least probe_interval ({self.probe_interval}), "
+                            f"got {self.max_probe_interval}")
+        if not 0.0 <= self.hysteresis <= 1.0:
+            problems.append(f"hysteresis must be between 0 and 1, got {self.hysteresis}")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            problems.append(f"prior_acceptance must be between 0 and 1, got {self.prior_acceptance}")
+        if self.prior_trials < 0.0:
+            problems.append(f"prior_trials must be at least 0, got {self.prior_trials}")
+        return problems
+
+
 @dataclass
 class SpeculationPolicy:
     max_window: int
     fallback_threshold: float
     costs: CostModel = field(default_factory=CostModel)
     adaptive: bool = True
-    history_tokens: int = 32
-    min_evidence: int = 8
-    probe_window: int = 2
-    probe_interval: int = 8
-    max_probe_interval: int = 64
-    hysteresis: float = 0.1
-    prior_acceptance: float = 0.5  # used until the server has measured any
-    prior_trials: float = 4.0
+    settings: PolicySettings = field(default_factory=PolicySettings)
     first_round_plain: bool = True
     governor: LoadGovernor | None = None
 
@@ -83,7 +108,7 @@ class SpeculationPolicy:
     _context: int = 0  # tokens in the sequence at the latest window() (selects the cost cell)
 
     def __post_init__(self) -> None:
-        self._interval = self.probe_interval
+        self._interval = self.settings.probe_interval
 
     # -- decisions ---------------------------------------------------------
     def window(self, context: int = 0, drafter: str = DRAFT_MODEL) -> int:
@@ -102,7 +127,7 @@ class SpeculationPolicy:
             if self.mode is Mode.UNPROFITABLE:
                 return self.costs.likeliest_window(self.acceptance_estimate(drafter), self.max_window, context,
                                                    drafter=drafter)
-            return min(self.probe_window, self.max_window)
+            return min(self.settings.probe_window, self.max_window)
         if not self.adaptive:
             return self.max_window
         k, _ = self.costs.best_window(self.acceptance_estimate(drafter), self.max_window, context, drafter=drafter)
@@ -112,16 +137,16 @@ class SpeculationPolicy:
 
     def acceptance_estimate(self, drafter: str = DRAFT_MODEL) -> float:
         """Per-token acceptance a of ``drafter``: the request's recent rounds plus a server-wide prior."""
-        prior = self.costs.server_acceptance(self.prior_acceptance, drafter)
+        prior = self.costs.server_acceptance(self.settings.prior_acceptance, drafter)
         mine = [(a, r) for _, a, r, name in self._history if name == drafter]
         accepted = sum(a for a, _ in mine)
         trials = accepted + sum(r for _, r in mine)
-        return (accepted + self.prior_trials * prior) / (trials + self.prior_trials)
+        return (accepted + self.settings.prior_trials * prior) / (trials + self.settings.prior_trials)
 
     def recent_acceptance(self) -> float | None:
         """accepted / drafted over the rolling history (None below min_evidence)."""
         drafted = sum(d for d, _, _, _ in self._history)
-        if drafted < self.min_evidence:
+        if drafted < self.settings.min_evidence:
             return None
         return sum(a for _, a, _, _ in self._history) / drafted
 
@@ -156,7 +181,7 @@ class SpeculationPolicy:
             self.costs.observe_verify(drafted, verify_seconds, self._context)
         self.costs.observe_acceptance(accepted, rejected, drafter)
         self._history.append((drafted, accepted, int(rejected), drafter))
-        while sum(d for d, _, _, _ in self._history) - self._history[0][0] >= self.history_tokens:
+        while sum(d for d, _, _, _ in self._history) - self._history[0][0] >= self.settings.history_tokens:
             self._history.popleft()
         if self.mode is Mode.SPECULATING:
             rate = self.recent_acceptance()
@@ -176,7 +201,7 @@ class SpeculationPolicy:
         if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
             return UNBOUNDED
         if self.held_back:
-            return self.probe_interval
+            return self.settings.probe_interval
         if self.mode is Mode.SPECULATING:
             return 1
         return max(1, self._interval - self._plain_rounds)
@@ -196,7 +221,7 @@ class SpeculationPolicy:
         self.mode = mode
         self.reason = reason
         self._plain_rounds = 0
-        self._interval = self.probe_interval
+        self._interval = self.settings.probe_interval
         self._probe_drafted = self._probe_accepted = 0
 
     def _after_probe(self, drafted: int, accepted: int, drafter: str) -> None:
@@ -209,9 +234,9 @@ class SpeculationPolicy:
             return
         self._probe_drafted += drafted
         self._probe_accepted += accepted
-        if self._probe_drafted < self.min_evidence:
+        if self._probe_drafted < self.settings.min_evidence:
             return
-        if self._probe_accepted / self._probe_drafted >= self.fallback_threshold + self.hysteresis:
+        if self._probe_accepted / self._probe_drafted >= self.fallback_threshold + self.settings.hysteresis:
             self.mode = Mode.SPECULATING
             # start afresh from the probes' evidence, not the rounds that caused the fallback
             probes = self._probe_drafted
@@ -222,5 +247,5 @@ class SpeculationPolicy:
         self._probe_drafted = self._probe_accepted = 0
 
     def _back_off(self) -> None:
-        self._interval = min(self._interval * 2, self.max_probe_interval)
+        self._interval = min(self._interval * 2, self.settings.max_probe_interval)
 

@@ -23,10 +23,6 @@ class CompletionText:
         self._emitted = 0  # characters of the decoded text already emitted
         self.stopped = False
 
-    @property
-    def token_count(self) -> int:
-        return len(self._ids)
-
     def append(self, ids: Sequence[int], final: bool = False) -> str:
         """Add ids; return the newly emittable text (sets ``stopped`` on a stop word)."""
         if self.stopped:

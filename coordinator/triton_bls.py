@@ -179,7 +179,7 @@ class TritonPythonModel:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 raw[name] = None if tensor is None else tensor.as_numpy()
             # Seeds drawn here stay below 2^63: seeds from 2^63 up are reserved for
-            # the tests' fault injection (coordinator/cpu_engine/faults.py).
+            # the tests' fault injection (cpu_engine/faults.py).
             generation = parse_request(raw, self.settings, new_seed=lambda: secrets.randbits(63))
             pieces: list[str] = []
             chunks = generate_text(

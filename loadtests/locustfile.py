@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # locust imports this file by path; make the project importable
 
-from coordinator.client import build_inputs  # noqa: E402
+from tools.client import build_inputs  # noqa: E402
 from loadtests import grpc_stream  # noqa: E402
 from loadtests.grpc_stream import RequestFailed, timed_completion  # noqa: E402
 from loadtests.report import Phase, RequestRecord, render_text, summarize, write_reports  # noqa: E402

@@ -4,10 +4,9 @@ address, the contract checks on a final response."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from loadtests.grpc_stream import RequestFailed, Timing
+from tools.prompts import file_prompts, humaneval_prompts
 
 # Options added to locust's command line. Each also reads an environment
 # variable, LOCUST_ + the name in capitals (e.g. LOCUST_STEPS), like locust's
@@ -65,35 +64,10 @@ def humaneval_range(text: str) -> tuple[int, int]:
 
 
 def load_prompts(prompts_file: str = "", humaneval: str = "0-99") -> list[tuple[str, str]]:
-    """(id, prompt) pairs from ``prompts_file``, else the HumanEval range."""
+    """(id, prompt) pairs from ``prompts_file`` (tools/prompts.py's formats), else the HumanEval range."""
     if not prompts_file:
-        from coordinator.bench import humaneval_prompts
-
         return humaneval_prompts(*humaneval_range(humaneval))
-    path = Path(prompts_file)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        items = json.loads(text)
-        if not isinstance(items, list):
-            raise ValueError(f"{path}: expected a JSON list of prompts")
-    else:
-        items = [line for line in text.splitlines() if line.strip()]
-    prompts = []
-    for number, item in enumerate(items):
-        if isinstance(item, str):
-            prompt, name = item, f"{path.name}:{number}"
-        elif isinstance(item, dict):
-            prompt, name = item.get("prompt", item.get("text_input")), str(item.get("id", f"{path.name}:{number}"))
-        else:
-            prompt, name = None, ""
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{path}: item {number} is neither a prompt string nor an object with a 'prompt'")
-        prompts.append((name, prompt))
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    return file_prompts(prompts_file)
 
 
 def build_phases(steps: str, modes: str) -> list[tuple[int, str]]:
@@ -124,10 +98,6 @@ def request_name(label: str, stream: bool) -> str:
 
 def check_statistics(timing: Timing, max_tokens: int, speculation: bool) -> None:
     """A final response whose statistics break the contract is a failure."""
-    if timing.completion_tokens > max_tokens:
-        raise RequestFailed("bad statistics", f"{timing.completion_tokens} tokens for max_tokens {max_tokens}")
-    if timing.accepted_draft_tokens > timing.draft_tokens:
-        raise RequestFailed("bad statistics",
-                            f"{timing.accepted_draft_tokens} accepted of {timing.draft_tokens} drafted tokens")
-    if not speculation and timing.draft_tokens:
-        raise RequestFailed("bad statistics", f"{timing.draft_tokens} tokens drafted with speculation_window 0")
+    problem = timing.problem(max_tokens, speculation)
+    if problem is not None:
+        raise RequestFailed("bad statistics", problem)

@@ -1,10 +1,10 @@
 """Shared fixtures. ``triton_server`` starts a real tritonserver with the real
 model pair (cpu profile) once per test session, on free ports.
 
-That server is the production launch (``coordinator.serving.launch``, the
+That server is the production launch (``launcher.launch``, the
 cpu profile's configs unchanged) plus two test-only settings: a known admin
 key (so the security tests can use the restricted APIs) and the CPU engine's
-fault injection (coordinator/cpu_engine/faults.py), whose rules fire
+fault injection (cpu_engine/faults.py), whose rules fire
 only for requests carrying one of the reserved seeds in ``FAULT_SEEDS``
 (>= 2^63; requests without a seed get one below 2^63). Every other request
 is served exactly as in production, so one server covers the ordinary and the
@@ -64,9 +64,9 @@ def _configured_draft_deadline() -> float:
 
 @contextmanager
 def running_server(options, log_path: Path):
-    """A tritonserver started with ``coordinator.serving.launch`` (its output in
+    """A tritonserver started with ``launcher.launch`` (its output in
     ``log_path``), ready; terminated on exit."""
-    from coordinator.serving.launch import prepare, start, wait_until_ready
+    from launcher.launch import prepare, start, wait_until_ready
 
     pair = prepare(options)
     with open(log_path, "wb") as log:
@@ -92,7 +92,7 @@ def running_server(options, log_path: Path):
 def real_target_dir() -> Path:
     """The real target model's directory, where the server keeps it (SPECDEC_CACHE_DIR,
     else ~/.cache/specdec), prepared there if it is not yet: never a skip."""
-    from coordinator.serving.assets import DEFAULT_TARGET, default_cache_dir, prepare_model
+    from launcher.assets import DEFAULT_TARGET, default_cache_dir, prepare_model
 
     return prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
 
@@ -107,8 +107,8 @@ def triton_server(tmp_path_factory) -> ServerAddress:
                             admin_key=os.environ.get("SPECDEC_ADMIN_KEY") or None)
         return
 
-    from coordinator.cpu_engine.faults import ALLOW_VAR, FAULTS_VAR
-    from coordinator.serving.launch import ServerOptions, new_admin_key
+    from cpu_engine.faults import ALLOW_VAR, FAULTS_VAR
+    from launcher.launch import ServerOptions, new_admin_key
 
     admin_key = new_admin_key()
     options = ServerOptions(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+from cpu_engine.engine import CausalLMEngine, EngineRequest
 from coordinator.loop import EngineOutput
 from coordinator.sampling import SamplingParams
 

@@ -12,9 +12,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from coordinator.bench import load_humaneval
-from coordinator.client import Completion, build_inputs, stream_completion
-from coordinator.scrape import fetch_metrics, metric_value
+from tools.prompts import load_humaneval
+from tools.client import Completion, build_inputs, stream_completion
+from tools.scrape import fetch_metrics, metric_value
 
 
 def humaneval_prompts(*task_numbers: int) -> list[str]:

@@ -3,8 +3,8 @@ import zipfile
 
 import pytest
 
-from coordinator.serving import assets
-from coordinator.serving.assets import AssetError, WheelSetModel, assemble_wheels, prepare_model
+from launcher import assets
+from launcher.assets import AssetError, WheelSetModel, assemble_wheels, prepare_model
 
 
 def make_wheels(tmp_path, chunks):

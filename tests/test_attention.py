@@ -1,4 +1,4 @@
-"""Per-sequence, row-invariant attention (coordinator/cpu_engine/attention.py).
+"""Per-sequence, row-invariant attention (cpu_engine/attention.py).
 
 A row's attention output must be bitwise the same whether the row is decoded
 alone (a plain step), verified with other rows, computed in a prompt's
@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator.cpu_engine import attention  # noqa: E402
+from cpu_engine import attention  # noqa: E402
 
 SEQUENCE = 704  # positions 0..703: key lengths 1..704
 # Block starts around canonical-length boundaries (a block straddling one is
@@ -189,8 +189,8 @@ def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
     """The real target, found (or prepared) where the server keeps it: SPECDEC_CACHE_DIR, else ~/.cache/specdec."""
     from tokenizers import Tokenizer
 
-    from coordinator.bench import load_humaneval
-    from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
 
     engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
@@ -221,8 +221,8 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
     sequences (plain decoding, verifications and prompt prefills of others)."""
     from tokenizers import Tokenizer
 
-    from coordinator.bench import load_humaneval
-    from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
 
     engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2, max_cached_sequences=0)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))

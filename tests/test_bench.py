@@ -12,15 +12,13 @@ import sys
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from coordinator import bench
-from coordinator.bench import (
-    RANDOM_PREFIX,
+from tools import bench
+from tools.bench import (
     PLAIN,
     BenchError,
     Mode,
     PromptResult,
     aggregate,
-    file_prompts,
     format_prompt_rows,
     format_summary,
     load_prompts,
@@ -29,13 +27,13 @@ from coordinator.bench import (
     predict_best_window,
     predict_fixed,
     prompt_rows,
-    random_prompts,
     run_order,
     summarise,
     write_json,
     write_png,
 )
-from coordinator.client import Completion
+from tools.client import Completion
+from tools.prompts import PromptError, file_prompts, random_prompts
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -73,9 +71,7 @@ def test_random_prompts_are_reproducible_random_characters():
     assert [p for p, _ in prompts] == ["random/0", "random/1", "random/2"]
     allowed = set(string.ascii_letters + string.digits + string.punctuation)
     for _, prompt in prompts:
-        assert prompt.startswith(RANDOM_PREFIX)
-        tail = prompt[len(RANDOM_PREFIX):]
-        assert len(tail) == 200 and set(tail) <= allowed
+        assert len(prompt) == 200 and set(prompt) <= allowed
     assert len({prompt for _, prompt in prompts}) == 3
 
 
@@ -93,7 +89,7 @@ def test_file_prompts_accept_json_strings_objects_and_plain_lines(tmp_path):
 
 def test_empty_or_missing_prompt_files_are_usage_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
-    with pytest.raises(BenchError, match="no prompts"):
+    with pytest.raises(PromptError, match="no prompts"):
         file_prompts(tmp_path / "empty.txt")
     with pytest.raises(BenchError, match="cannot read"):
         load_prompts(f"file:{tmp_path / 'missing.txt'}", first=0, last=0, count=1, seed=0)

@@ -1,15 +1,14 @@
 """specdec-compare's pure parts: held-out prompt sets, ratios, identity, the table."""
 
-from coordinator.compare import (
+from tools.compare import (
     ASSISTED,
     ENGINE,
     PLAIN_GENERATE,
     Measurement,
-    copy_prompts,
     format_table,
-    held_out_prompts,
     summarise,
 )
+from tools.prompts import copy_prompts, held_out_prompts
 
 
 def words(text: str) -> int:
@@ -62,7 +61,7 @@ def test_a_speculative_text_that_differs_from_plain_is_reported():
 
 
 def test_the_png_is_written(tmp_path):
-    from coordinator.compare import write_png
+    from tools.compare import write_png
 
     runs = [measurement(PLAIN_GENERATE, 4.0), measurement(ASSISTED, 5.0), measurement("server plain", 4.0),
             measurement("server adaptive", 8.0), measurement("server plain", 12.0, concurrency=4),

@@ -45,3 +45,25 @@ def test_adaptive_window_parameter_and_override():
 def test_engine_seed_input_follows_the_backend_version():
     assert CoordinatorSettings.from_parameters({}, {}).engine_seed_input == "random_seed"
     assert CoordinatorSettings.from_parameters({"engine_seed_input": "seed"}, {}).engine_seed_input == "seed"
+
+
+def test_the_policys_tuning_values_are_parameters_of_their_own_names():
+    from coordinator.policy import PolicySettings
+
+    settings = CoordinatorSettings.from_parameters({"probe_interval": "4", "hysteresis": "0.2"}, environ={})
+    assert settings.policy == PolicySettings(probe_interval=4, hysteresis=0.2)
+    assert CoordinatorSettings().policy == PolicySettings()  # the defaults live in one place
+    with pytest.raises(SettingsError, match="max_probe_interval must be at least probe_interval"):
+        CoordinatorSettings.from_parameters({"probe_interval": "80"}, environ={})
+    with pytest.raises(SettingsError, match="min_evidence must be at least 1, got 0"):
+        CoordinatorSettings.from_parameters({"min_evidence": "0"}, environ={})
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"drafter": "ngram"}, "drafter must be one of draft_model, prompt_lookup, hybrid, got 'ngram'"),
+    ({"prompt_lookup_min_ngram": "4"}, "prompt_lookup_min_ngram and prompt_lookup_max_ngram must satisfy"),
+    ({"hybrid_min_match": "5"}, "hybrid_min_match must be between 1 and prompt_lookup_max_ngram"),
+])
+def test_drafter_settings_are_checked(parameters, message):
+    with pytest.raises(SettingsError, match=message):
+        CoordinatorSettings.from_parameters(parameters, environ={})

@@ -128,8 +128,8 @@ def test_every_statistic_reaches_the_wire_and_comes_back():
 
 
 def test_the_client_the_load_test_and_the_bench_carry_every_statistic():
-    from coordinator.bench import Totals
-    from coordinator.client import Completion
+    from tools.bench import Totals
+    from tools.client import Completion
     from loadtests.grpc_stream import Timing
 
     names = {name for _, name in api._specs()}

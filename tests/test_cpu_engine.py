@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError, resolve_dtype  # noqa: E402
+from cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError, resolve_dtype  # noqa: E402
 from coordinator.sampling import SamplingParams  # noqa: E402
 from tests.tiny_models import write_tiny_qwen2  # noqa: E402
 
@@ -146,9 +146,9 @@ def test_a_round_larger_than_the_row_budget_is_refused(model_dir):
         CausalLMEngine(str(model_dir), max_num_tokens=4)
 
 
-# ---- weight-only quantization (coordinator/cpu_engine/quantize.py) ----------------------
+# ---- weight-only quantization (cpu_engine/quantize.py) ----------------------
 
-from coordinator.cpu_engine import quantize  # noqa: E402
+from cpu_engine import quantize  # noqa: E402
 
 # Relative error (Frobenius norm) of a quantized layer's output against the float
 # layer's, on random Gaussian weights: int8 per-channel ~0.4%, int4 groups of 64 ~6%.
@@ -242,7 +242,7 @@ def test_quantized_engine_generates_and_verifies(model_dir, scheme, row_invarian
 
 
 def test_simulated_speculation_rounds_from_teacher_forced_matches():
-    from coordinator.cpu_engine.measure_agreement import speculation_rounds
+    from cpu_engine.measure_agreement import speculation_rounds
 
     # window 2 over 6 positions: [T T] + target token; [F] -> target token; one token left to draft: [T] + target token
     assert speculation_rounds([True, True, True, False, True, False], 2) == (3, 5, 3)
@@ -250,7 +250,7 @@ def test_simulated_speculation_rounds_from_teacher_forced_matches():
 
 
 def test_measure_agreement_command_runs(model_dir, tmp_path, capsys):
-    from coordinator.cpu_engine.measure_agreement import main
+    from cpu_engine.measure_agreement import main
     from tests.tiny_models import write_tokenizer
 
     write_tokenizer(tmp_path / "tokenizer")
@@ -276,7 +276,7 @@ def _rss_mib() -> float:
 def test_freed_heap_memory_goes_back_to_the_os():
     """What the engine does after loading: without the trim, glibc keeps the
     holes left by freed allocations resident."""
-    from coordinator.cpu_engine.engine import release_free_heap
+    from cpu_engine.engine import release_free_heap
 
     blocks = [bytes(4000) + bytes([i % 256]) for i in range(60_000)]  # ~240 MB of heap blocks
     kept = blocks[::64]  # pins the heap so it cannot shrink from the top by itself

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.cpu_engine.faults import (
+from cpu_engine.faults import (
     ALLOW_VAR,
     FAULTS_VAR,
     MIN_FAULT_SEED,

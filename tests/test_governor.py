@@ -72,7 +72,7 @@ def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_
     governor.regimes[governor_bucket(4)] = PLAIN
     costs = CostModel(streams=4)
     policy = SpeculationPolicy(5, 0.3, costs=costs, first_round_plain=False, governor=governor)
-    assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == policy.probe_interval
+    assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == policy.settings.probe_interval
     assert policy.mode is Mode.SPECULATING and policy.reason == ""
     costs.streams = 1  # another load bucket, where nothing says plain
     assert not policy.held_back and policy.window() > 0

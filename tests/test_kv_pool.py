@@ -1,6 +1,6 @@
 import numpy as np
 
-from coordinator.cpu_engine.kv_pool import PrefixCachePool
+from cpu_engine.kv_pool import PrefixCachePool
 
 
 def test_takes_longest_whole_prefix_and_keeps_last_token_for_recompute():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.serving import launch, tritonserver
+from launcher import launch, tritonserver
 
 
 def environment(tmp_path, **options):

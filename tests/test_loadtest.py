@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import build_inputs
+from tools.client import build_inputs
 from loadtests import fake_triton, report, workload
 from loadtests.grpc_stream import RequestFailed, Timing, timed_completion
 from tests.conftest import free_port
@@ -60,7 +60,7 @@ def test_the_client_side_needs_no_model_packages():
     locustfile imports from the project must not pull torch & co."""
     code = (
         "import sys\n"
-        "import coordinator.client, coordinator.bench\n"
+        "import tools.client, tools.bench\n"
         "import loadtests.workload, loadtests.report, loadtests.grpc_stream, loadtests.fake_triton\n"
         "print(' '.join(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'safetensors', 'gguf',"
         " 'accelerate', 'pytriton', 'tqdm') if m in sys.modules)))\n"
@@ -75,7 +75,7 @@ def test_the_image_holds_what_the_locustfile_imports():
     copies = " ".join(re.findall(r"^COPY (.+)$", dockerfile.replace("\\\n", " "), re.MULTILINE))
     for module in sorted((REPO / "loadtests").glob("*.py")):
         assert f"loadtests/{module.name}" in copies, f"loadtests/Dockerfile does not copy {module.name}"
-    assert "coordinator ./coordinator" in copies
+    assert "coordinator ./coordinator" in copies and "tools ./tools" in copies
     assert "requirements/loadtest.txt" in copies
     assert '"/opt/specdec/loadtests/locustfile.py"' in dockerfile
 
@@ -114,8 +114,8 @@ def test_default_prompts_are_humaneval_0_to_99():
 def test_prompt_files(tmp_path):
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text('{"id": "a", "prompt": "def a():\\n"}\n\n"plain string"\n{"text_input": "x"}\n')
-    assert workload.load_prompts(str(jsonl)) == [("a", "def a():\n"), ("mine.jsonl:1", "plain string"),
-                                                 ("mine.jsonl:2", "x")]
+    assert workload.load_prompts(str(jsonl)) == [("a", "def a():\n"), ("mine.jsonl:3", "plain string"),
+                                                 ("mine.jsonl:4", "x")]
     listed = tmp_path / "mine.json"
     listed.write_text(json.dumps(["one", {"prompt": "two", "id": 2}]))
     assert workload.load_prompts(str(listed)) == [("mine.json:0", "one"), ("2", "two")]
@@ -124,7 +124,7 @@ def test_prompt_files(tmp_path):
     assert [p for _, p in workload.load_prompts(str(text))] == ["first prompt", "second prompt"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "no prompt"}\n')
-    with pytest.raises(ValueError, match="item 0"):
+    with pytest.raises(ValueError, match="line 1 is neither"):
         workload.load_prompts(str(bad))
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
@@ -329,7 +329,7 @@ def test_locust_counts_every_failure(fake_server, tmp_path):
         requests = list(csv.DictReader(source))
     failed = {r["prompt"]: r["error"] for r in requests if r["ok"] == "False"}
     assert failed == {"error": "error response", "nofinal": "stream ended", "hang": "timeout", "abort": "rpc error"}
-    assert {r["prompt"] for r in requests if r["ok"] == "True"} == {"prompts.jsonl:4"}
+    assert {r["prompt"] for r in requests if r["ok"] == "True"} == {"prompts.jsonl:5"}  # its line
 
 
 def test_a_run_without_a_finished_request_fails_unless_requests_may_finish(fake_server, tmp_path):

@@ -128,14 +128,14 @@ def test_unknown_outcome_is_rejected():
         metrics.start_request().finish("ok")
 
 
-def test_readme_promql_examples_parse_and_use_exported_names():
+def test_the_documented_promql_examples_parse_and_use_exported_names():
     import re
     from pathlib import Path
 
     import promql_parser
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("Example PromQL:", 1)[1].split("```", 2)[1]
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    block = reference.split("Example PromQL:", 1)[1].split("```", 2)[1]
     queries = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(queries) >= 3
     exported = {spec.name for spec in ALL_SPECS}

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from coordinator.serving import launch
-from coordinator.serving.pair import TokenizerMismatch, check_pair, prepare_pair_tokenizer, read_profile
+from launcher import launch
+from launcher.pair import TokenizerMismatch, check_pair, prepare_pair_tokenizer, read_profile
 from coordinator.tokenizer import Codec
 from tests.tiny_models import WORDS, write_tokenizer
 

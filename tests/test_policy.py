@@ -1,7 +1,7 @@
 """The speculation policy's rule (coordinator/policy.py docstring), step by step."""
 
 from coordinator.costmodel import CostModel
-from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.policy import Mode, PolicySettings, SpeculationPolicy
 
 
 def measured_costs(draft=0.1, verify=1.0, windows=range(1, 9)):
@@ -75,7 +75,7 @@ def test_fallback_probes_every_interval_and_backs_off():
 
 
 def test_fallback_interval_is_capped():
-    policy = fixed(4, 0.3, max_probe_interval=16)
+    policy = fixed(4, 0.3, settings=PolicySettings(max_probe_interval=16))
     enter_fallback(policy)
     gaps = []
     for _ in range(16):
@@ -111,7 +111,7 @@ def test_draft_failure_is_final_for_the_request():
 
 def test_adaptive_window_follows_acceptance():
     costs = measured_costs(draft=0.1)
-    policy = SpeculationPolicy(8, 0.0, costs=costs, prior_trials=1.0)
+    policy = SpeculationPolicy(8, 0.0, costs=costs, settings=PolicySettings(prior_trials=1.0))
     for _ in range(10):
         policy.record(8, 8)
     high = policy.window()

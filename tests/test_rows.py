@@ -1,10 +1,10 @@
-"""The start-up measurement of the engine's row shape (coordinator/cpu_engine/rows.py)."""
+"""The start-up measurement of the engine's row shape (cpu_engine/rows.py)."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator.cpu_engine.rows import RowShape, invariant_floor, measure_row_shape, probe_counts  # noqa: E402
+from cpu_engine.rows import RowShape, invariant_floor, measure_row_shape, probe_counts  # noqa: E402
 
 
 def test_probe_counts_cover_small_counts_and_the_kernel_switch_points():

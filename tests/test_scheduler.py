@@ -1,11 +1,11 @@
-"""In-flight batching decisions (coordinator/cpu_engine/scheduler.py), with a
+"""In-flight batching decisions (cpu_engine/scheduler.py), with a
 fake forward: which rows each forward carries, chunked prefill, and how
 finished and failed calls leave."""
 
 import numpy as np
 import pytest
 
-from coordinator.cpu_engine.scheduler import Call, Scheduler
+from cpu_engine.scheduler import Call, Scheduler
 from coordinator.sampling import SamplingParams
 
 VOCAB = 16

@@ -1,10 +1,10 @@
-"""coordinator.scrape: reading the metrics port's text format."""
+"""tools.scrape: reading the metrics port's text format."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.scrape import engine_cached_tokens, metric_samples, metric_value
+from tools.scrape import engine_cached_tokens, metric_samples, metric_value
 
 # As Triton exports them (python-backend custom metrics next to Triton's own).
 EXPOSITION = """\

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.serving import launch, tritonserver
+from launcher import launch, tritonserver
 from tests._config_helpers import ROOT
 
 ENTRYPOINT = ROOT / "docker" / "trtllm-entrypoint.sh"
@@ -112,11 +112,9 @@ def test_images_run_as_a_non_root_user(dockerfile):
     assert users and users[-1].split(":")[0] not in ("root", "0")
 
 
-def test_the_readme_threat_model_matches_the_launch_flags():
-    """The README's security section names what the launcher actually restricts."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Security and threat model"):]
-    section = section[: section.index("\n## ", 1)]
+def test_the_documented_threat_model_matches_the_launch_flags():
+    """docs/security.md names what the launcher actually restricts."""
+    section = (ROOT / "docs" / "security.md").read_text()
     restricted = re.search(r"put (.+?) behind the admin key", " ".join(section.split())).group(1)
     named = {name.strip() for name in re.split(r",| and ", restricted) if name.strip()}
     assert named == set(launch.RESTRICTED_APIS)

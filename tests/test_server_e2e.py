@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from coordinator.client import build_inputs
+from tools.client import build_inputs
 from tests.server_client import complete, concurrently, grpc_error, humaneval_prompts, metric, metrics_text, tensor
 
 pytestmark = pytest.mark.slow

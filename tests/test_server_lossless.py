@@ -88,7 +88,7 @@ def reference_model(real_target_dir):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from coordinator.cpu_engine.engine import DTYPES, resolve_dtype
+    from cpu_engine.engine import DTYPES, resolve_dtype
     from tests._config_helpers import model_config, parameter
 
     dtype = resolve_dtype(parameter(model_config("target", "cpu"), "dtype"))

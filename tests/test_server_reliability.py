@@ -17,11 +17,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from coordinator.client import MODEL, build_inputs, stream_completion
+from tools.client import build_inputs, stream_completion
+from tools.stream import MODEL
 from coordinator.engine_io import engine_inputs
 from coordinator.sampling import SamplingParams
-from coordinator.soak import process_tree, sample_memory
-from coordinator.serving.launch import PROJECT_ROOT, ServerOptions
+from tools.soak import process_tree, sample_memory
+from launcher.launch import PROJECT_ROOT, ServerOptions
 from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server
 from tests.server_client import (engine_responses, complete, concurrently, grpc_error, http_status, humaneval_prompts, metric,
                                  metrics_text, tensor)

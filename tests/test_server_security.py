@@ -1,5 +1,5 @@
 """The server's admin APIs are locked behind the admin key (real tritonserver,
-started by coordinator.serving.launch with its restricted-API flags)."""
+started by launcher.launch with its restricted-API flags)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from coordinator.client import build_inputs, stream_completion
-from coordinator.serving.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
+from tools.client import build_inputs, stream_completion
+from launcher.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
 from tests.server_client import http_status
 
 pytestmark = pytest.mark.slow

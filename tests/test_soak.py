@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import soak
-from coordinator.client import Completion
+from tools import soak
+from tools.client import Completion
 
 
 def test_finds_the_process_listening_on_a_port_and_its_children():

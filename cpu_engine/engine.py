@@ -1,5 +1,5 @@
 """The CPU reference engine: one transformers causal LM serving many calls at
-once (in-flight batching, coordinator/cpu_engine/scheduler.py), greedy or
+once (in-flight batching, cpu_engine/scheduler.py), greedy or
 sampled generation, one-pass verification of draft tokens, prefix KV-cache
 reuse.
 
@@ -12,8 +12,8 @@ not returned, and each call's random numbers come from its own seed.
 
 Every forward is packed: the new tokens of all calls it carries are rows of
 one block through the linear layers, attention runs per sequence
-(coordinator/cpu_engine/attention.py), and the number of rows follows the
-row shape measured at start-up (coordinator/cpu_engine/rows.py), so a row's
+(cpu_engine/attention.py), and the number of rows follows the
+row shape measured at start-up (cpu_engine/rows.py), so a row's
 logits do not depend on what else the forward carried."""
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.cpu_engine import attention
-from coordinator.cpu_engine.kv_pool import PrefixCachePool
-from coordinator.cpu_engine.quantize import check_scheme, quantize_linear_layers
-from coordinator.cpu_engine.rows import RowShape, measure_row_shape
-from coordinator.cpu_engine.scheduler import Call, Scheduler, Work
+from cpu_engine import attention
+from cpu_engine.kv_pool import PrefixCachePool
+from cpu_engine.quantize import check_scheme, quantize_linear_layers
+from cpu_engine.rows import RowShape, measure_row_shape
+from cpu_engine.scheduler import Call, Scheduler, Work
 from coordinator.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +70,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
     """``auto``: bfloat16 where the CPU has native bfloat16 arithmetic, else float32.
 
-    Measured (python -m coordinator.cpu_engine.measure): with native bf16 a
+    Measured (python -m cpu_engine.measure): with native bf16 a
     bf16 forward over 8 tokens costs what one token costs; without it bf16
     arithmetic is emulated and only float32 verifies several tokens cheaply.
     """
@@ -134,7 +134,7 @@ class CausalLMEngine:
         self.dtype = resolve_dtype(dtype)
         if max_num_tokens < attention.BLOCK_ROWS:
             raise ValueError(f"max_num_tokens must be at least {attention.BLOCK_ROWS}, got {max_num_tokens}")
-        # none, int8 or int4 weight-only linear layers (coordinator/cpu_engine/quantize.py):
+        # none, int8 or int4 weight-only linear layers (cpu_engine/quantize.py):
         # for the draft, whose precision only changes the acceptance rate.
         self.weight_quantization = check_scheme(weight_quantization)
         self.num_threads = num_threads

@@ -22,8 +22,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator.config import expand_env
-from coordinator.cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
-from coordinator.cpu_engine.faults import FaultConfigError, FaultInjector
+from cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
+from cpu_engine.faults import FaultConfigError, FaultInjector
 from coordinator.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

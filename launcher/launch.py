@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
-from coordinator.serving import assets, tritonserver
-from coordinator.serving.pair import TokenizerMismatch, prepare_pair_tokenizer
+from launcher import assets, tritonserver
+from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
 

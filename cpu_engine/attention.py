@@ -27,7 +27,7 @@ change other rows of the matmuls and masked-out keys, whose scores become
 the same alone, in a verification block, in a prompt's prefill, or next to
 other sequences. tests/test_attention.py checks this on random tensors and on
 the real target. (The linear layers' side of the same promise is measured at
-start-up: coordinator/cpu_engine/rows.py.)
+start-up: cpu_engine/rows.py.)
 
 Prompt prefill goes through the same blocks, so a prompt's keys and values do
 not depend on how its prefill was chunked between forwards.

@@ -1,0 +1,60 @@
+"""The coordinator package is a pure core plus one Triton adapter: the loop,
+the drafters, the policies and the maths import neither Triton nor torch, so
+they are tested in milliseconds and run unchanged behind any server. The CPU
+engine (cpu_engine/), the launcher (launcher/) and the tools (tools/) live
+outside the package."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "coordinator"
+ADAPTERS = {"triton_bls"}  # the Triton shim of the coordinator model
+FORBIDDEN = ("torch", "transformers", "triton_python_backend_utils", "tritonclient", "tritonserver")
+
+
+def core_modules() -> list[str]:
+    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ADAPTERS | {"__init__"})
+
+
+def imported(path: Path) -> set[str]:
+    """Every module a file imports, at any depth of its code (lazy imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def forbidden(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n.split(".")[0] in FORBIDDEN)
+
+
+def test_the_package_holds_only_the_core_and_its_adapter():
+    assert not [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert {"loop", "policy", "drafters", "costmodel", "api"} <= set(core_modules())
+
+
+def test_no_core_module_imports_triton_or_torch_anywhere_in_its_code():
+    found = {module: forbidden(imported(PACKAGE / f"{module}.py")) for module in core_modules()}
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def test_importing_the_core_pulls_in_neither_triton_nor_torch():
+    modules = ", ".join(f"coordinator.{m}" for m in core_modules())
+    code = (f"import sys, importlib\nfor m in '{modules}'.split(', '): importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_checks_would_catch_a_forbidden_import(tmp_path):
+    sample = tmp_path / "bad.py"
+    sample.write_text("def later():\n    import torch.nn\n    from tritonclient.grpc import x\n")
+    assert forbidden(imported(sample)) == ["torch.nn", "tritonclient.grpc"]

@@ -1,0 +1,1 @@
+"""What users run against a server: the client, the benchmarks and the soak."""
