@@ -15,7 +15,8 @@ def coordinator_settings() -> CoordinatorSettings:
 
 def test_coordinator_cpu_config_parses_into_settings():
     settings = coordinator_settings()
-    assert settings.speculation_window == 5 and settings.fallback_threshold == 0.3
+    assert settings.speculation_window == 8 and settings.fallback_threshold == 0.3
+    assert settings.drafter == "hybrid" and settings.policy == CoordinatorSettings().policy
 
 
 def test_engines_declare_only_parameters_the_cpu_engine_knows():
