@@ -98,8 +98,8 @@ def test_http_generate_endpoint(triton_server):
     [
         (dict(prompt="def f():", max_tokens=0), "max_tokens must be between 1 and 1024, got 0"),
         (dict(prompt="def f():", max_tokens=5000), "max_tokens must be between 1 and 1024, got 5000"),
-        (dict(prompt="def f():", max_tokens=4, speculation_window=-1), "speculation_window must be between 0 and 5"),
-        (dict(prompt="def f():", max_tokens=4, speculation_window=6), "speculation_window must be between 0 and 5"),
+        (dict(prompt="def f():", max_tokens=4, speculation_window=-1), "speculation_window must be between 0 and 8"),
+        (dict(prompt="def f():", max_tokens=4, speculation_window=9), "speculation_window must be between 0 and 8"),
         (dict(prompt="", max_tokens=4), "text_input is empty"),
         (dict(prompt="x = 1\n" * 2100, max_tokens=8), "exceeds the context limit of 4096 tokens"),
         (dict(prompt="def f():", max_tokens=4, top_p=0.0), "top_p must be in (0, 1]"),

@@ -99,12 +99,12 @@ BAD_INPUTS = {
     "speculation_window wrong type": case(("speculation_window", np.array([2.0], F32), "FP32"),
                                           messages=["speculation_window", "INT32"]),
     "speculation_window negative": case(("speculation_window", np.array([-1], I32), "INT32"),
-                                        messages=["speculation_window must be between 0 and 5 (the server's "
+                                        messages=["speculation_window must be between 0 and 8 (the server's "
                                                   "speculation_window), got -1"]),
-    "speculation_window too large": case(("speculation_window", np.array([6], I32), "INT32"),
-                                         messages=["speculation_window must be between 0 and 5", "got 6"]),
+    "speculation_window too large": case(("speculation_window", np.array([9], I32), "INT32"),
+                                         messages=["speculation_window must be between 0 and 8", "got 9"]),
     "speculation_window huge": case(("speculation_window", np.array([2**31 - 1], I32), "INT32"),
-                                    messages=["speculation_window must be between 0 and 5", "got 2147483647"]),
+                                    messages=["speculation_window must be between 0 and 8", "got 2147483647"]),
     # adaptive_window
     "adaptive_window wrong type": case(("adaptive_window", np.array([1], I32), "INT32"),
                                        messages=["adaptive_window", "BOOL"]),
@@ -198,7 +198,7 @@ def test_a_good_stop_word_list_and_an_empty_one_are_accepted(triton_server):
     [
         ({"max_tokens": 4}, 400, ["text_input"]),
         ({"text_input": "def f():", "max_tokens": 0}, 400, ["max_tokens must be between 1 and 1024, got 0"]),
-        ({"text_input": "def f():", "speculation_window": 9}, 400, ["speculation_window must be between 0 and 5"]),
+        ({"text_input": "def f():", "speculation_window": 9}, 400, ["speculation_window must be between 0 and 8"]),
         # generate turns JSON fields that are not inputs into request parameters:
         # the coordinator refuses them, so a misspelt input is not silently ignored
         ({"text_input": "def f():", "max_token": 4}, 400, ["unknown parameter(s) max_token", "max_tokens"]),
