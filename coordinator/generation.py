@@ -9,7 +9,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from coordinator.api import Statistics
-
 from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
 from coordinator.drafters import PROMPT_LOOKUP, ModelDrafter, make_drafter
