@@ -42,26 +42,24 @@ class TensorSpec:
         return WIRE_TYPES[self.data_type]
 
 
-_spec = TensorSpec
-
 
 # Inputs the coordinator may send to an engine.
 ENGINE_INPUTS: dict[str, TensorSpec] = {
     s.name: s
     for s in (
-        _spec("input_ids", "TYPE_INT32", (-1,)),
-        _spec("input_lengths", "TYPE_INT32", (1,)),
-        _spec("request_output_len", "TYPE_INT32", (1,)),
-        _spec("end_id", "TYPE_INT32", (1,)),
-        _spec("pad_id", "TYPE_INT32", (1,)),
-        _spec("draft_input_ids", "TYPE_INT32", (-1,)),
-        _spec("draft_logits", "TYPE_FP32", (-1, -1)),
-        _spec("temperature", "TYPE_FP32", (1,)),
-        _spec("runtime_top_k", "TYPE_INT32", (1,)),
-        _spec("runtime_top_p", "TYPE_FP32", (1,)),
-        _spec("random_seed", "TYPE_UINT64", (1,)),
-        _spec("return_generation_logits", "TYPE_BOOL", (1,)),
-        _spec("streaming", "TYPE_BOOL", (1,)),
+        TensorSpec("input_ids", "TYPE_INT32", (-1,)),
+        TensorSpec("input_lengths", "TYPE_INT32", (1,)),
+        TensorSpec("request_output_len", "TYPE_INT32", (1,)),
+        TensorSpec("end_id", "TYPE_INT32", (1,)),
+        TensorSpec("pad_id", "TYPE_INT32", (1,)),
+        TensorSpec("draft_input_ids", "TYPE_INT32", (-1,)),
+        TensorSpec("draft_logits", "TYPE_FP32", (-1, -1)),
+        TensorSpec("temperature", "TYPE_FP32", (1,)),
+        TensorSpec("runtime_top_k", "TYPE_INT32", (1,)),
+        TensorSpec("runtime_top_p", "TYPE_FP32", (1,)),
+        TensorSpec("random_seed", "TYPE_UINT64", (1,)),
+        TensorSpec("return_generation_logits", "TYPE_BOOL", (1,)),
+        TensorSpec("streaming", "TYPE_BOOL", (1,)),
     )
 }
 
@@ -75,9 +73,9 @@ SEED_INPUT_NAMES = ("random_seed", "seed")
 ENGINE_OUTPUTS: dict[str, TensorSpec] = {
     s.name: s
     for s in (
-        _spec("output_ids", "TYPE_INT32", (-1, -1)),
-        _spec("sequence_length", "TYPE_INT32", (-1,)),
-        _spec("generation_logits", "TYPE_FP32", (-1, -1, -1)),
+        TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),
+        TensorSpec("sequence_length", "TYPE_INT32", (-1,)),
+        TensorSpec("generation_logits", "TYPE_FP32", (-1, -1, -1)),
     )
 }
 

@@ -94,7 +94,7 @@ class ModelDrafter:
     async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool) -> Proposal:
         sampling = replace(self.sampling, seed=seed)
         if len(context) - self.seen > self.catch_up_after:
-            await self.deadline(self.engine.generate(context, 1, sampling))
+            await self._prefill(context, sampling)
             self.seen = len(context)
         started = self.clock()
         drafted = await self.deadline(self.engine.generate(context, k, sampling, return_logits=distribution))
@@ -114,7 +114,8 @@ class ModelDrafter:
         self.seen = len(context)
         return self._prefill(list(context), replace(self.sampling, seed=seed))
 
-    async def _prefill(self, context: list[int], sampling: SamplingParams) -> None:
+    async def _prefill(self, context: Sequence[int], sampling: SamplingParams) -> None:
+        """One untimed call that puts ``context`` in the draft engine's cache."""
         await self.deadline(self.engine.generate(context, 1, sampling))
 
     def verified(self, context_length: int) -> None:

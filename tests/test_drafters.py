@@ -45,10 +45,6 @@ def test_lookup_prefers_a_longer_match_over_a_more_recent_shorter_one():
     assert lookup(context, 1, max_ngram=1, min_ngram=1) == (1, [60])
 
 
-class CountingEngine(ToyEngine):
-    pass
-
-
 def test_the_hybrid_uses_prompt_lookup_only_where_the_match_is_confident():
     model = ModelDrafter(ToyEngine(), GREEDY, (), catch_up_after=6)
     hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3), confident_ngram=3)
