@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.rounds import Round
 
 # Before anything is measured: a draft step costs this fraction of a target
 # step and verifying K tokens costs one target step (memory-bound engines).
@@ -175,6 +176,18 @@ class CostModel:
         if key not in self.cells:
             self.cells[key] = Timings()
         return self.cells[key]
+
+    def observe(self, round_: Round) -> None:
+        """Learn from one round's report: its cost samples (in the cell of its
+        context and the current load) and, for a speculative round, its drafter's acceptance."""
+        if round_.speculative:
+            if round_.draft_sample is not None:
+                self.observe_draft(round_.drafted, round_.draft_sample, round_.context, drafter=round_.drafter)
+            if round_.target_sample is not None:
+                self.observe_verify(round_.drafted, round_.target_sample, round_.context)
+            self.observe_acceptance(round_.accepted, round_.rejected, round_.drafter)
+        elif round_.target_sample is not None and round_.tokens:
+            self.observe_plain(round_.target_sample / len(round_.tokens), round_.context)
 
     def observe_acceptance(self, accepted: int, rejected: bool, drafter: str = DRAFT_MODEL) -> None:
         self.accepted.setdefault(drafter, MovingAverage()).add(accepted)

@@ -17,8 +17,12 @@ token is the target's own sample. So a drafter that has no distribution
   Saxena's prompt lookup decoding and TensorRT-LLM's n-gram drafter. No model:
   its cost is a few microseconds of search, so it pays wherever the text
   repeats its context (code edits, refactors, quoting, extraction).
-* ``hybrid``: prompt lookup where the context has a confident match (at least
-  ``confident_ngram`` tokens), the draft model otherwise.
+* ``hybrid``: both where the context's last ``min_match`` tokens occurred
+  before (a long match: the text is copying), the draft model otherwise; the
+  policy takes the one predicted to serve more tokens per second
+  (coordinator/policy.py). Short matches are left to the draft model: in code
+  that is not copying, a 3-token match predicts the next token about as often
+  as a coin, and the draft model then has text to catch up on.
 
 Each proposal names the drafter that made it, so the cost model prices each
 one by its own measured cost and acceptance.
@@ -39,6 +43,9 @@ from coordinator.sampling import SamplingParams, draft_log_probs
 
 DRAFT_MODEL, PROMPT_LOOKUP, HYBRID = "draft_model", "prompt_lookup", "hybrid"
 DRAFTERS = (DRAFT_MODEL, PROMPT_LOOKUP, HYBRID)
+# Drafters that run no model: a rejected proposal costs only its verification
+# rows, so the acceptance under which the draft model stops paying does not apply.
+FREE_DRAFTERS = frozenset({PROMPT_LOOKUP})
 
 
 @dataclass(frozen=True)
@@ -51,14 +58,17 @@ class Proposal:
 
 class Drafter(Protocol):
     name: str
+    uses: tuple[str, ...]  # the drafters it may propose with
 
-    def chooses(self, context: Sequence[int]) -> str:
-        """The drafter that would propose after ``context`` (what the window is priced for)."""
+    def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
+        """The drafters that could propose after ``context``, preferred first (what the policy prices)."""
         ...
 
-    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool) -> Proposal:
+    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
+                      using: str | None = None) -> Proposal:
         """Up to ``k`` tokens after ``context`` (fewer, or none, when it has nothing to say);
-        with ``distribution``, log q as well where the drafter has one. ``seed`` seeds a sampling drafter."""
+        with ``distribution``, log q as well where the drafter has one. ``seed`` seeds a sampling
+        drafter; ``using`` names the candidate to propose with (None: the preferred one)."""
         ...
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
@@ -86,12 +96,14 @@ class ModelDrafter:
     deadline: Callable[[Awaitable], Awaitable] = lambda call: call  # wraps every call (the draft timeout)
     clock: Callable[[], float] = time.perf_counter
     name: str = DRAFT_MODEL
+    uses: tuple[str, ...] = (DRAFT_MODEL,)
     seen: int = 0  # context length the engine has processed
 
-    def chooses(self, context: Sequence[int]) -> str:
-        return self.name
+    def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
+        return self.uses
 
-    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool) -> Proposal:
+    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
+                      using: str | None = None) -> Proposal:
         sampling = replace(self.sampling, seed=seed)
         if len(context) - self.seen > self.catch_up_after:
             await self._prefill(context, sampling)
@@ -130,15 +142,17 @@ class PromptLookupDrafter:
     min_ngram: int = 1
     clock: Callable[[], float] = time.perf_counter
     name: str = PROMPT_LOOKUP
+    uses: tuple[str, ...] = (PROMPT_LOOKUP,)
 
-    def chooses(self, context: Sequence[int]) -> str:
-        return self.name
+    def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
+        return self.uses
 
     def match(self, context: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(n, tokens): the longest n-gram match found and up to ``k`` tokens that followed it."""
         return lookup(context, k, self.max_ngram, self.min_ngram)
 
-    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool) -> Proposal:
+    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
+                      using: str | None = None) -> Proposal:
         started = self.clock()
         _, tokens = self.match(context, k)
         return Proposal(self.name, tokens, None, self.clock() - started)
@@ -152,32 +166,32 @@ class PromptLookupDrafter:
 
 @dataclass
 class HybridDrafter:
-    """Prompt lookup where the context has a match of ``confident_ngram`` tokens, the draft model elsewhere."""
+    """Prompt lookup or the draft model where ``lookup`` finds a match (the
+    policy picks), the draft model elsewhere."""
 
     model: ModelDrafter
-    lookup: PromptLookupDrafter
-    confident_ngram: int = 3
+    lookup: PromptLookupDrafter  # searching for long matches only (make_drafter)
     name: str = HYBRID
+    uses: tuple[str, ...] = (PROMPT_LOOKUP, DRAFT_MODEL)
     _last: str = ""  # the drafter of the latest proposal
 
-    def chooses(self, context: Sequence[int]) -> str:
-        n, tokens = self.lookup.match(context, 1)
-        return self.lookup.name if tokens and n >= self.confident_ngram else self.model.name
+    def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
+        _, tokens = self.lookup.match(context, 1)
+        return self.uses if tokens else (self.model.name,)
 
-    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool) -> Proposal:
-        started = self.lookup.clock()
-        n, tokens = self.lookup.match(context, k)
-        if tokens and n >= self.confident_ngram:
-            self._last = self.lookup.name
-            return Proposal(self.lookup.name, tokens, None, self.lookup.clock() - started)
-        self._last = self.model.name
+    async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
+                      using: str | None = None) -> Proposal:
+        using = using or self.candidates(context)[0]
+        self._last = using
+        if using == self.lookup.name:
+            return await self.lookup.propose(context, k, seed, distribution)
         return await self.model.propose(context, k, seed, distribution)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         # Where prompt lookup has a match the text is likely copying: the draft
         # model's prefill would only take cores from the target; it catches up
         # when it is first needed.
-        if self.chooses(context) == self.lookup.name:
+        if self.candidates(context)[0] == self.lookup.name:
             return None
         return self.model.warm_up(context, seed)
 
@@ -209,13 +223,13 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tu
 
 
 def make_drafter(name: str, *, model: Callable[[], ModelDrafter], max_ngram: int = 3, min_ngram: int = 1,
-                 confident_ngram: int = 3) -> Drafter:
-    """The drafter called ``name`` for one request (``model`` builds its draft-model drafter)."""
+                 min_match: int = 8) -> Drafter:
+    """The drafter called ``name`` for one request (``model`` builds its draft-model drafter;
+    ``min_match``: the hybrid's shortest prompt lookup match)."""
     if name == DRAFT_MODEL:
         return model()
-    lookup_drafter = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
     if name == PROMPT_LOOKUP:
-        return lookup_drafter
+        return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
     if name == HYBRID:
-        return HybridDrafter(model(), lookup_drafter, confident_ngram)
+        return HybridDrafter(model(), PromptLookupDrafter(max_ngram=min_match, min_ngram=min_match))
     raise ValueError(f"unknown drafter {name!r}; drafters: {', '.join(DRAFTERS)}")

@@ -13,10 +13,11 @@ from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
 from coordinator.drafters import PROMPT_LOOKUP, ModelDrafter, make_drafter
 from coordinator.governor import LoadGovernor
-from coordinator.loop import Engine, Round, speculative_decode, with_deadline
+from coordinator.loop import Engine, speculative_decode, with_deadline
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
 from coordinator.request import GenerationRequest, check_context, check_prompt_size
+from coordinator.rounds import Round
 from coordinator.text import CompletionText
 from coordinator.tokenizer import Codec
 
@@ -32,7 +33,7 @@ class Stats(Statistics):
         self.draft_seconds += round_.draft_seconds
         if round_.drafted:
             self.speculative_rounds += 1
-            self.rejected_rounds += round_.accepted < round_.drafted
+            self.rejected_rounds += round_.rejected
             self.verify_seconds += round_.target_seconds
             if round_.drafter == PROMPT_LOOKUP:
                 self.lookup_draft_tokens += round_.drafted
@@ -93,7 +94,7 @@ async def generate_text(
                                    deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
         max_ngram=settings.prompt_lookup_max_ngram,
         min_ngram=settings.prompt_lookup_min_ngram,
-        confident_ngram=settings.hybrid_min_match,
+        min_match=settings.hybrid_min_match,
     )
     rounds = speculative_decode(
         prompt_ids,
@@ -114,7 +115,7 @@ async def generate_text(
                     policy.governor.emitted(len(round_.tokens), costs.streams)
                 stats.fallback_reason = policy.reason
                 if metrics is not None:
-                    metrics.round(round_, policy)
+                    metrics.round(round_)
                 if cancelled is not None and not round_.finished and cancelled():
                     raise RequestCancelled()
                 delta = text.append(round_.tokens, final=round_.finished)

@@ -44,9 +44,10 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.drafters import DRAFT_MODEL, Drafter, ModelDrafter, Proposal
+from coordinator.drafters import DRAFT_MODEL, FREE_DRAFTERS, Drafter, ModelDrafter, Proposal
 from coordinator.engine_semantics import before_end, common_prefix_length
 from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.rounds import Round
 from coordinator.sampling import SamplingParams, call_seed
 
 log = logging.getLogger(__name__)
@@ -86,17 +87,6 @@ class EngineError(RuntimeError):
 
 class DraftTimeout(EngineError):
     """The draft did not answer within the coordinator's draft_timeout_seconds."""
-
-
-@dataclass(frozen=True)
-class Round:
-    tokens: list[int]  # emitted this round, end token excluded
-    drafted: int
-    accepted: int
-    finished: bool  # end token reached or token budget spent
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
-    drafter: str = ""  # which drafter proposed this round's drafts ("" for a plain round)
 
 
 def reached_end_by_count(returned: int, accepted: int, requested: int, verified: bool) -> bool:
@@ -146,6 +136,8 @@ async def speculative_decode(
         drafter = ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids), policy.max_window + 1,
                                deadline=lambda call: with_deadline(call, draft_timeout), clock=clock)
     want_distribution = not sampling.greedy
+    costs = policy.costs
+    free_drafter = any(name in FREE_DRAFTERS for name in drafter.uses)
     context = list(prompt_ids)
     produced = 0
     # Whether the target had processed the context up to its last round: a call
@@ -153,34 +145,41 @@ async def speculative_decode(
     target_seen = 0
     warmup: asyncio.Task | None = None  # the draft model's prompt prefill, in the background
     warmed = False
+
+    def report(round_: Round) -> Round:
+        """The round as the cost model and the policy took it in."""
+        costs.observe(round_)
+        return policy.observe(round_)
+
     try:
         while produced < max_new_tokens:
             remaining = max_new_tokens - produced
-            chooses = drafter.chooses(context)
-            k = min(policy.window(len(context), chooses), remaining - 1)
-            position = len(context)  # of the first new token: the calls' seeds depend on it
-            if k > 0 and warmup is not None and not warmup.done() and chooses == DRAFT_MODEL:
+            candidates = drafter.candidates(context)
+            if DRAFT_MODEL in candidates and warmup is not None and not warmup.done():
                 await asyncio.sleep(0)  # let a warm-up that is about to finish finish
-                if not warmup.done():
-                    k = 0  # the draft is still prefilling the prompt: decode plainly meanwhile
+                if not warmup.done():  # the draft is still prefilling the prompt: not a candidate yet
+                    candidates = tuple(name for name in candidates if name != DRAFT_MODEL)
+            chosen, k = policy.plan(len(context), candidates)
+            k = min(k, remaining - 1)
+            position = len(context)  # of the first new token: the calls' seeds depend on it
             if warmup is not None and warmup.done() and not warmup.cancelled() and warmup.exception() is not None:
                 error, warmup = warmup.exception(), None  # handled once (warmed keeps it from restarting)
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
-                k = 0
+                if chosen == DRAFT_MODEL:
+                    k = 0
             if k <= 0:
-                stretch = min(remaining, plain_stretch, policy.plain_rounds_planned())
+                stretch = min(remaining, plain_stretch, policy.plain_rounds_planned(free_drafter))
                 if warmup is not None and not warmup.done():
                     stretch = min(stretch, WARMUP_STRETCH)
-                plain = _plain_rounds(target, context, stretch, sampling, policy, end_ids, clock,
-                                      steady=target_seen > 0)
+                plain = _plain_rounds(target, context, stretch, sampling, end_ids, clock, steady=target_seen > 0)
                 async with aclosing(plain):
                     async for round_ in plain:
                         target_seen = len(context)
                         context += round_.tokens
                         produced += len(round_.tokens)
                         finished = round_.finished or produced >= max_new_tokens
-                        yield replace(round_, finished=finished)
+                        yield report(replace(round_, finished=finished))
                         if round_.finished:
                             return
                 if (not warmed and sampling.greedy and policy.max_window > 0
@@ -193,11 +192,11 @@ async def speculative_decode(
             started = clock()
             try:
                 proposal = await drafter.propose(context, k, call_seed(sampling.seed, position, "draft"),
-                                                 want_distribution)
+                                                 want_distribution, chosen)
             except Exception as error:  # the request goes on without the draft
                 log.warning("draft failed, continuing with the target alone: %s", error)
                 policy.draft_failed(error)
-                proposal = Proposal(chooses, [])
+                proposal = Proposal(chosen, [])
             draft_seconds = clock() - started
             drafts = proposal.tokens[:k]
             requested = len(drafts) + 1
@@ -220,17 +219,13 @@ async def speculative_decode(
             # an engine that returns the end token, or one that stops before it
             ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
                 len(returned), matched, requested, verified=bool(drafts))
-            if drafts:
-                # a call that caught up on more than a round's tokens is not a steady-state sample
-                policy.record(len(drafts), accepted, proposal.seconds, target_seconds if steady else None,
-                              drafter=proposal.drafter)
-            else:
-                policy.record_plain(target_seconds if steady else None)
+            round_ = Round(emitted, len(drafts), accepted, ended or produced + len(emitted) >= max_new_tokens,
+                           draft_seconds, target_seconds, drafter=proposal.drafter if drafts else "",
+                           context=position, draft_sample=proposal.seconds if drafts else None,
+                           target_sample=target_seconds if steady else None)
             context += emitted
             produced += len(emitted)
-            finished = ended or produced >= max_new_tokens
-            yield Round(emitted, len(drafts), accepted, finished, draft_seconds, target_seconds,
-                        drafter=proposal.drafter if drafts else "")
+            yield report(round_)
             if ended:
                 return
     finally:
@@ -239,10 +234,11 @@ async def speculative_decode(
 
 
 async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampling: SamplingParams,
-                        policy: SpeculationPolicy, end_ids: Collection[int], clock, steady: bool):
+                        end_ids: Collection[int], clock, steady: bool):
     """A stretch of plain decoding in one streamed call: a Round per chunk of
     tokens as they arrive (``finished`` set when the end was reached)."""
     seed = call_seed(sampling.seed, len(context), "target")
+    start = len(context)  # the caller extends ``context`` with each round this yields
     started = last = clock()
     got = 0
     ended = False
@@ -256,12 +252,13 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
             ended = len(emitted) < len(tokens)
             got += len(tokens)
             # the first chunk carries the call's round trip (and any prefill); later ones one forward each
-            policy.record_plain(now - last if steady or got > len(tokens) else None, tokens=len(emitted))
+            sample = now - last if steady or got > len(tokens) else None
             if emitted or ended:
-                yield Round(emitted, 0, 0, ended, 0.0, now - last)
+                yield Round(emitted, 0, 0, ended, 0.0, now - last, context=start + got - len(tokens),
+                            target_sample=sample)
             last = now
     if not ended and got < stretch:  # fewer tokens than asked and no end token: the engine stopped at the end
-        yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0)
+        yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0, context=start + got)
 
 
 async def with_deadline(call, timeout: float | None):

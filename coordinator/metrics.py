@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.config import MAX_SPECULATION_WINDOW
-from coordinator.costmodel import CONTEXT_BUCKETS, LOAD_BUCKETS, context_bucket, context_label, load_bucket, load_label
+from coordinator.costmodel import (CONTEXT_BUCKETS, LOAD_BUCKETS, CostModel, context_bucket, context_label,
+                                   load_bucket, load_label)
 from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
-from coordinator.loop import Round
-from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.policy import Mode
+from coordinator.rounds import Round
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
@@ -159,9 +160,12 @@ class Instrument(Protocol):
 class MetricsRecorder:
     """Server-wide metrics; one ``RequestMetrics`` per request feeds it."""
 
-    def __init__(self, make: Callable[[MetricSpec], Instrument], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, make: Callable[[MetricSpec], Instrument], clock: Callable[[], float] = time.monotonic,
+                 costs: CostModel | None = None):
+        """``costs``: the server-wide cost model whose estimates the gauges show."""
         self.instruments = {spec: make(spec) for spec in ALL_SPECS}
         self.clock = clock
+        self.costs = costs if costs is not None else CostModel()
         self._fallback: set[int] = set()
 
     def _get(self, spec: MetricSpec) -> Instrument:
@@ -170,8 +174,8 @@ class MetricsRecorder:
     def start_request(self) -> RequestMetrics:
         return RequestMetrics(self, self.clock())
 
-    def _round(self, request: RequestMetrics, round_: Round, policy: SpeculationPolicy) -> None:
-        get = self._get
+    def _round(self, request: RequestMetrics, round_: Round) -> None:
+        get, costs, context = self._get, self.costs, round_.context
         emitted = len(round_.tokens)
         if round_.drafted:
             drafter = round_.drafter or DRAFT_MODEL
@@ -183,25 +187,25 @@ class MetricsRecorder:
                     get(ACCEPTED_AT[position]).increment(1)
             get(SPECULATIVE_ROUNDS).increment(1)
             get(ACCEPTED_PER_ROUND).observe(round_.accepted)
-            bucket = context_bucket(policy.context)
+            bucket = context_bucket(context)
             if drafter == DRAFT_MODEL:  # prompt lookup's cost is a search: nothing to watch
-                get(DRAFT_COST[bucket]).set(policy.costs.draft_cost(round_.drafted, policy.context))
-            get(VERIFY_COST[bucket]).set(policy.costs.verify_cost(round_.drafted, policy.context))
+                get(DRAFT_COST[bucket]).set(costs.draft_cost(round_.drafted, context))
+            get(VERIFY_COST[bucket]).set(costs.verify_cost(round_.drafted, context))
         else:
             get(PLAIN_ROUNDS).increment(1)
-        plain = policy.costs.plain_seconds(policy.context)
+        plain = costs.plain_seconds(context)
         if plain is not None:
-            get(PLAIN_STEP[context_bucket(policy.context)]).set(plain)
-        get(STREAMS).set(policy.costs.streams)
-        if policy.governor is not None:
-            get(LOAD_REGIME[load_bucket(policy.costs.streams)]).set(0 if policy.held_back else 1)
+            get(PLAIN_STEP[context_bucket(context)]).set(plain)
+        get(STREAMS).set(costs.streams)
+        if round_.held_back is not None:
+            get(LOAD_REGIME[load_bucket(costs.streams)]).set(0 if round_.held_back else 1)
         get(WINDOW).set(round_.drafted)
         if emitted:
             get(EMITTED_TOKENS).increment(emitted)
-        if policy.mode is Mode.DRAFT_FAILED and not request.draft_failed:
+        if round_.mode == Mode.DRAFT_FAILED and not request.draft_failed:
             request.draft_failed = True
             get(DRAFT_FAILURES).increment(1)
-        self._set_fallback(request, policy.mode in (Mode.FALLBACK, Mode.DRAFT_FAILED))
+        self._set_fallback(request, round_.mode in (Mode.FALLBACK, Mode.DRAFT_FAILED))
 
     def _set_fallback(self, request: RequestMetrics, active: bool) -> None:
         (self._fallback.add if active else self._fallback.discard)(id(request))
@@ -220,9 +224,9 @@ class RequestMetrics:
         self.draft_failed = False
         self.finished = False
 
-    def round(self, round_: Round, policy: SpeculationPolicy) -> None:
+    def round(self, round_: Round) -> None:
         now = self.recorder.clock()
-        self.recorder._round(self, round_, policy)
+        self.recorder._round(self, round_)
         emitted = len(round_.tokens)
         if not emitted:
             return

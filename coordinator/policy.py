@@ -32,17 +32,28 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    that plain decoding serves more tokens per second at the current load, the
    request decodes plainly (held back, not a fallback: it speculates again as
    soon as the server's regime at its load does).
+7. Drafters (coordinator/drafters.py). Where a request's drafter could
+   propose with more than one (a hybrid: prompt lookup where the text repeats
+   itself, the draft model everywhere), ``plan`` prices each by its own
+   acceptance and cost and takes the one predicted to serve more tokens per
+   second. Rules 1, 2 and 4 are about the draft model: a drafter that runs no
+   model (prompt lookup) costs only its verification rows when it is wrong,
+   so it is priced by the cost model alone (rule 3) and keeps drafting while
+   the draft model has fallen back or failed; where no window of it is
+   predicted to pay, it probes every ``probe_interval`` offers.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from coordinator.costmodel import CostModel
-from coordinator.drafters import DRAFT_MODEL
+from coordinator.drafters import DRAFT_MODEL, FREE_DRAFTERS
 from coordinator.governor import LoadGovernor
+from coordinator.rounds import Round
 
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
@@ -97,58 +108,87 @@ class SpeculationPolicy:
     first_round_plain: bool = True
     governor: LoadGovernor | None = None
 
-    mode: Mode = Mode.SPECULATING
+    mode: Mode = Mode.SPECULATING  # the draft model's state (a free drafter has none: rule 7)
     reason: str = ""  # why the request last stopped speculating ("" if it never did)
-    _history: deque = field(default_factory=deque, repr=False)  # (drafted, accepted, rejected, drafter)
+    # recent rounds per drafter: (drafted, accepted, rejected)
+    _history: dict[str, deque] = field(default_factory=dict, repr=False)
     _plain_rounds: int = 0  # since the last probe
     _interval: int = 0
     _probe_drafted: int = 0
     _probe_accepted: int = 0
     _rounds: int = 0
-    _context: int = 0  # tokens in the sequence at the latest window() (selects the cost cell)
+    _free_refusals: int = 0  # offers of a free drafter predicted not to pay, in a row
+    _context: int = 0  # tokens in the sequence at the latest decision (selects the cost cell)
 
     def __post_init__(self) -> None:
         self._interval = self.settings.probe_interval
 
     # -- decisions ---------------------------------------------------------
+    def plan(self, context: int, candidates: Sequence[str]) -> tuple[str, int]:
+        """(drafter, window) for the next round of a sequence of ``context``
+        tokens, among the drafters the request's drafter could use here
+        (``candidates``, its preferred first): the one predicted to serve the
+        most tokens per second; a window of 0 is a plain target step."""
+        choice, best_k, best = (candidates[0] if candidates else DRAFT_MODEL), 0, 0.0
+        for name in candidates:
+            k, speedup = self._offer(context, name)
+            if k > 0 and (best_k == 0 or speedup > best + 1e-9):
+                choice, best_k, best = name, k, speedup
+        return choice, best_k
+
     def window(self, context: int = 0, drafter: str = DRAFT_MODEL) -> int:
-        """Tokens to draft in the next round (0: a plain target step) for a
-        sequence of ``context`` tokens, priced for ``drafter``."""
+        """Tokens ``drafter`` should draft in the next round (0: a plain target
+        step) for a sequence of ``context`` tokens."""
+        return self._offer(context, drafter)[0]
+
+    def _offer(self, context: int, drafter: str) -> tuple[int, float]:
+        """(window, predicted speed-up) of ``drafter`` for the next round (speed-up 1
+        where the window is not the cost model's choice: fixed windows and probes)."""
         self._context = context
-        if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
-            return 0
-        if self.first_round_plain and self._rounds == 0:
-            return 0
-        if self.held_back:
-            return 0
-        if self.mode is not Mode.SPECULATING:
-            if self._plain_rounds < self._interval:
-                return 0
-            if self.mode is Mode.UNPROFITABLE:
-                return self.costs.likeliest_window(self.acceptance_estimate(drafter), self.max_window, context,
-                                                   drafter=drafter)
-            return min(self.settings.probe_window, self.max_window)
+        if self.max_window <= 0 or (self.first_round_plain and self._rounds == 0) or self.held_back:
+            return 0, 1.0
+        free = drafter in FREE_DRAFTERS
+        if not free:
+            if self.mode is Mode.DRAFT_FAILED:
+                return 0, 1.0
+            if self.mode is not Mode.SPECULATING:
+                if self._plain_rounds < self._interval:
+                    return 0, 1.0
+                if self.mode is Mode.UNPROFITABLE:
+                    return self.costs.likeliest_window(self.acceptance_estimate(drafter), self.max_window, context,
+                                                       drafter=drafter), 1.0
+                return min(self.settings.probe_window, self.max_window), 1.0
         if not self.adaptive:
-            return self.max_window
-        k, _ = self.costs.best_window(self.acceptance_estimate(drafter), self.max_window, context, drafter=drafter)
-        if k == 0:
+            return self.max_window, 1.0
+        alpha = self.acceptance_estimate(drafter)
+        k, speedup = self.costs.best_window(alpha, self.max_window, context, drafter=drafter)
+        if k > 0:
+            if free:
+                self._free_refusals = 0
+            return k, speedup
+        if not free:
             self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
-        return k
+            return 0, 1.0
+        self._free_refusals += 1
+        if self._free_refusals % self.settings.probe_interval == 0:  # measure the estimate that refuses it
+            return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
+        return 0, 1.0
 
     def acceptance_estimate(self, drafter: str = DRAFT_MODEL) -> float:
         """Per-token acceptance a of ``drafter``: the request's recent rounds plus a server-wide prior."""
         prior = self.costs.server_acceptance(self.settings.prior_acceptance, drafter)
-        mine = [(a, r) for _, a, r, name in self._history if name == drafter]
-        accepted = sum(a for a, _ in mine)
-        trials = accepted + sum(r for _, r in mine)
+        mine = self._history.get(drafter, ())
+        accepted = sum(a for _, a, _ in mine)
+        trials = accepted + sum(r for _, _, r in mine)
         return (accepted + self.settings.prior_trials * prior) / (trials + self.settings.prior_trials)
 
-    def recent_acceptance(self) -> float | None:
-        """accepted / drafted over the rolling history (None below min_evidence)."""
-        drafted = sum(d for d, _, _, _ in self._history)
+    def recent_acceptance(self, drafter: str = DRAFT_MODEL) -> float | None:
+        """accepted / drafted over ``drafter``'s rolling history (None below min_evidence)."""
+        mine = self._history.get(drafter, ())
+        drafted = sum(d for d, _, _ in mine)
         if drafted < self.settings.min_evidence:
             return None
-        return sum(a for _, a, _, _ in self._history) / drafted
+        return sum(a for _, a, _ in mine) / drafted
 
     @property
     def held_back(self) -> bool:
@@ -156,61 +196,55 @@ class SpeculationPolicy:
         return self.governor is not None and not self.governor.speculation_allowed(self.costs.streams)
 
     @property
-    def context(self) -> int:
-        """Tokens in the sequence at the latest decision (which cost cell it read)."""
-        return self._context
-
-    @property
     def speculating(self) -> bool:
         return self.mode is Mode.SPECULATING
 
+    def plain_rounds_planned(self, free_drafter: bool = False) -> int:
+        """Plain steps the policy will ask for before it may decide otherwise
+        (the loop asks the target for them in one call). ``free_drafter``: the
+        request may draft with a free drafter, which is offered every round."""
+        if self.max_window <= 0 or (self.mode is Mode.DRAFT_FAILED and not free_drafter):
+            return UNBOUNDED
+        if self.held_back:
+            return self.settings.probe_interval
+        if free_drafter or self.mode is Mode.SPECULATING:
+            return 1
+        return max(1, self._interval - self._plain_rounds)
+
     # -- observations ------------------------------------------------------
-    def record(
-        self, drafted: int, accepted: int, draft_seconds: float | None = None, verify_seconds: float | None = None,
-        drafter: str = DRAFT_MODEL,
-    ) -> None:
-        """A round that verified ``drafted`` tokens of ``drafter`` (``accepted`` of them) finished
-        (timings if measured)."""
+    def observe(self, round_: Round) -> Round:
+        """Take in one round's report; the report with the policy's state after it."""
+        if round_.speculative:
+            self.record(round_.drafted, round_.accepted, round_.drafter or DRAFT_MODEL)
+        else:
+            self.record_plain(len(round_.tokens))
+        return replace(round_, mode=self.mode.value, held_back=None if self.governor is None else self.held_back)
+
+    def record(self, drafted: int, accepted: int, drafter: str = DRAFT_MODEL) -> None:
+        """A round verified ``drafted`` tokens of ``drafter``, ``accepted`` of them."""
         self._rounds += 1
         if drafted <= 0:
             return
         rejected = accepted < drafted
-        if draft_seconds is not None:
-            self.costs.observe_draft(drafted, draft_seconds, self._context, drafter=drafter)
-        if verify_seconds is not None:
-            self.costs.observe_verify(drafted, verify_seconds, self._context)
-        self.costs.observe_acceptance(accepted, rejected, drafter)
-        self._history.append((drafted, accepted, int(rejected), drafter))
-        while sum(d for d, _, _, _ in self._history) - self._history[0][0] >= self.settings.history_tokens:
-            self._history.popleft()
+        history = self._history.setdefault(drafter, deque())
+        history.append((drafted, accepted, int(rejected)))
+        while sum(d for d, _, _ in history) - history[0][0] >= self.settings.history_tokens:
+            history.popleft()
+        if drafter in FREE_DRAFTERS or self.mode is Mode.DRAFT_FAILED:
+            return
         if self.mode is Mode.SPECULATING:
-            rate = self.recent_acceptance()
+            rate = self.recent_acceptance(drafter)
             if rate is not None and rate < self.fallback_threshold:
                 self._enter(
                     Mode.FALLBACK,
                     f"recent acceptance {rate:.2f} below fallback_threshold {self.fallback_threshold:g}",
                 )
             return
-        if self.mode is Mode.DRAFT_FAILED:
-            return
         self._after_probe(drafted, accepted, drafter)
 
-    def plain_rounds_planned(self) -> int:
-        """Plain steps the policy will ask for before it may decide otherwise
-        (the loop asks the target for them in one call)."""
-        if self.max_window <= 0 or self.mode is Mode.DRAFT_FAILED:
-            return UNBOUNDED
-        if self.held_back:
-            return self.settings.probe_interval
-        if self.mode is Mode.SPECULATING:
-            return 1
-        return max(1, self._interval - self._plain_rounds)
-
-    def record_plain(self, seconds: float | None = None, tokens: int = 1) -> None:
-        """Plain target decoding emitted ``tokens`` tokens (in ``seconds``, if measured)."""
+    def record_plain(self, tokens: int = 1) -> None:
+        """Plain target decoding emitted ``tokens`` tokens."""
         self._rounds += 1
-        if seconds is not None and tokens > 0:
-            self.costs.observe_plain(seconds / tokens, self._context)
         self._plain_rounds += tokens
 
     def draft_failed(self, error: BaseException) -> None:
@@ -239,13 +273,13 @@ class SpeculationPolicy:
         if self._probe_accepted / self._probe_drafted >= self.fallback_threshold + self.settings.hysteresis:
             self.mode = Mode.SPECULATING
             # start afresh from the probes' evidence, not the rounds that caused the fallback
+            history = self._history.get(drafter, deque())
             probes = self._probe_drafted
-            while self._history and sum(d for d, _, _, _ in self._history) > probes:
-                self._history.popleft()
+            while history and sum(d for d, _, _ in history) > probes:
+                history.popleft()
         else:
             self._back_off()
         self._probe_drafted = self._probe_accepted = 0
 
     def _back_off(self) -> None:
         self._interval = min(self._interval * 2, self.settings.max_probe_interval)
-

@@ -160,7 +160,7 @@ class TritonPythonModel:
         self.costs = CostModel()  # server-wide engine timings and acceptance
         self.governor = LoadGovernor()  # server-wide: does speculation pay at this load
         families: dict[str, object] = {}
-        self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec))
+        self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec), costs=self.costs)
         self._metric_families = families  # keep the families alive as long as the model
         log.info("coordinator ready: %s", self.settings)
 

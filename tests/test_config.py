@@ -62,7 +62,7 @@ def test_the_policys_tuning_values_are_parameters_of_their_own_names():
 @pytest.mark.parametrize("parameters,message", [
     ({"drafter": "ngram"}, "drafter must be one of draft_model, prompt_lookup, hybrid, got 'ngram'"),
     ({"prompt_lookup_min_ngram": "4"}, "prompt_lookup_min_ngram and prompt_lookup_max_ngram must satisfy"),
-    ({"hybrid_min_match": "5"}, "hybrid_min_match must be between 1 and prompt_lookup_max_ngram"),
+    ({"hybrid_min_match": "17"}, "hybrid_min_match must be between 1 and 16"),
 ])
 def test_drafter_settings_are_checked(parameters, message):
     with pytest.raises(SettingsError, match=message):

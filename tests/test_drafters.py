@@ -21,6 +21,7 @@ from coordinator.drafters import (
 )
 from coordinator.loop import speculative_decode
 from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.rounds import Round
 from coordinator.sampling import SamplingParams, processed_probs
 from tests.fakes import VOCAB, ToyEngine, toy_logits
 from tests.stats import gof_pvalue
@@ -45,13 +46,15 @@ def test_lookup_prefers_a_longer_match_over_a_more_recent_shorter_one():
     assert lookup(context, 1, max_ngram=1, min_ngram=1) == (1, [60])
 
 
-def test_the_hybrid_uses_prompt_lookup_only_where_the_match_is_confident():
+def test_the_hybrid_offers_prompt_lookup_only_where_the_match_is_confident():
     model = ModelDrafter(ToyEngine(), GREEDY, (), catch_up_after=6)
-    hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3), confident_ngram=3)
-    assert hybrid.chooses([1, 2, 3, 9, 1, 2, 3]) == PROMPT_LOOKUP
-    assert hybrid.chooses([1, 2, 3, 9, 8, 2, 3]) == DRAFT_MODEL  # only "2 3" matches
+    hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3, min_ngram=3))
+    assert hybrid.candidates([1, 2, 3, 9, 1, 2, 3]) == (PROMPT_LOOKUP, DRAFT_MODEL)
+    assert hybrid.candidates([1, 2, 3, 9, 8, 2, 3]) == (DRAFT_MODEL,)  # only "2 3" matches
     proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 1, 2, 3], 4, seed=0, distribution=True))
     assert proposal.drafter == PROMPT_LOOKUP and proposal.tokens == [9, 1, 2, 3] and proposal.log_probs is None
+    proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 1, 2, 3], 2, seed=0, distribution=False, using=DRAFT_MODEL))
+    assert proposal.drafter == DRAFT_MODEL and len(proposal.tokens) == 2
     proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 8, 2, 3], 2, seed=0, distribution=False))
     assert proposal.drafter == DRAFT_MODEL and len(proposal.tokens) == 2
 
@@ -140,8 +143,10 @@ def test_each_drafter_is_priced_by_its_own_cost_and_acceptance():
     policy = SpeculationPolicy(5, 0.0, costs=costs, first_round_plain=False)
     costs.observe_plain(0.2)
     for _ in range(8):
-        policy.record(4, 4, draft_seconds=0.0004, verify_seconds=0.25, drafter=PROMPT_LOOKUP)
-        policy.record(4, 0, draft_seconds=0.24, verify_seconds=0.25, drafter=DRAFT_MODEL)
+        for round_ in (Round([1] * 5, 4, 4, False, 0.0004, 0.25, PROMPT_LOOKUP, draft_sample=0.0004, target_sample=0.25),
+                       Round([1], 4, 0, False, 0.24, 0.25, DRAFT_MODEL, draft_sample=0.24, target_sample=0.25)):
+            costs.observe(round_)
+            policy.observe(round_)
     assert costs.draft_cost(4, drafter=PROMPT_LOOKUP) < 0.01 < costs.draft_cost(4, drafter=DRAFT_MODEL)
     assert policy.acceptance_estimate(PROMPT_LOOKUP) > 0.8 > 0.3 > policy.acceptance_estimate(DRAFT_MODEL)
     assert policy.window(0, PROMPT_LOOKUP) > 0

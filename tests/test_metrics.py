@@ -3,7 +3,7 @@ from collections import defaultdict
 import pytest
 
 from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
-from coordinator.loop import Round
+from coordinator.rounds import Round
 from coordinator.metrics import (
     ACCEPTED_AT,
     ACCEPTED_PER_ROUND,
@@ -22,7 +22,7 @@ from coordinator.metrics import (
     WINDOW,
     MetricsRecorder,
 )
-from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.policy import Mode
 
 
 class Fake:
@@ -73,12 +73,11 @@ def test_names_share_one_prefix_and_label_sets_are_unique():
 
 def test_rounds_update_counters_gauges_and_histograms():
     metrics, made, clock = recorder()
-    policy = SpeculationPolicy(4, 0.3, adaptive=False)
     request = metrics.start_request()
     clock.now += 0.5
-    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False), policy)
+    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False))
     clock.now += 0.3
-    request.round(Round([4], drafted=0, accepted=0, finished=True), policy)
+    request.round(Round([4], drafted=0, accepted=0, finished=True))
     request.finish("success")
     assert made[DRAFT_TOKENS[DRAFT_MODEL]].total == 4 and made[ACCEPTED_TOKENS[DRAFT_MODEL]].total == 2
     assert made[EMITTED_TOKENS].total == 4
@@ -93,10 +92,9 @@ def test_rounds_update_counters_gauges_and_histograms():
 
 def test_acceptance_is_counted_per_drafter_and_per_draft_position():
     metrics, made, _ = recorder()
-    policy = SpeculationPolicy(5, 0.3, adaptive=False)
     request = metrics.start_request()
-    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False, drafter=DRAFT_MODEL), policy)
-    request.round(Round([4, 5, 6, 7, 8, 9], drafted=5, accepted=5, finished=False, drafter=PROMPT_LOOKUP), policy)
+    request.round(Round([1, 2, 3], drafted=4, accepted=2, finished=False, drafter=DRAFT_MODEL))
+    request.round(Round([4, 5, 6, 7, 8, 9], drafted=5, accepted=5, finished=False, drafter=PROMPT_LOOKUP))
     assert made[DRAFT_TOKENS[DRAFT_MODEL]].total == 4 and made[ACCEPTED_TOKENS[DRAFT_MODEL]].total == 2
     assert made[DRAFT_TOKENS[PROMPT_LOOKUP]].total == 5 and made[ACCEPTED_TOKENS[PROMPT_LOOKUP]].total == 5
     assert [made[DRAFTED_AT[i]].total for i in range(6)] == [2, 2, 2, 2, 1, 0]
@@ -106,13 +104,9 @@ def test_acceptance_is_counted_per_drafter_and_per_draft_position():
 def test_fallback_gauge_counts_requests_in_fallback_and_drops_them_when_done():
     metrics, made, _ = recorder()
     a, b = metrics.start_request(), metrics.start_request()
-    falling = SpeculationPolicy(4, 0.3, adaptive=False)
-    falling.mode = Mode.FALLBACK
-    failed = SpeculationPolicy(4, 0.3, adaptive=False)
-    failed.draft_failed(RuntimeError("x"))
-    a.round(Round([1], 0, 0, False), falling)
-    b.round(Round([1], 0, 0, False), failed)
-    b.round(Round([1], 0, 0, False), failed)
+    a.round(Round([1], 0, 0, False, mode=Mode.FALLBACK))
+    b.round(Round([1], 0, 0, False, mode=Mode.DRAFT_FAILED))
+    b.round(Round([1], 0, 0, False, mode=Mode.DRAFT_FAILED))
     assert made[FALLBACK_ACTIVE].value == 2
     assert made[DRAFT_FAILURES].total == 1  # once per request
     a.finish("cancelled")

@@ -1,7 +1,17 @@
 """The speculation policy's rule (coordinator/policy.py docstring), step by step."""
 
 from coordinator.costmodel import CostModel
+from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
 from coordinator.policy import Mode, PolicySettings, SpeculationPolicy
+from coordinator.rounds import Round
+
+
+def play(policy, drafted, accepted, drafter=DRAFT_MODEL, context=0, **samples):
+    """Report one round to the cost model and the policy, as the loop does."""
+    round_ = Round([0] * (accepted + 1), drafted, accepted, False, drafter=drafter if drafted else "",
+                   context=context, **samples)
+    policy.costs.observe(round_)
+    return policy.observe(round_)
 
 
 def measured_costs(draft=0.1, verify=1.0, windows=range(1, 9)):
@@ -56,7 +66,7 @@ def plain_until_probe(policy, limit=200):
         k = policy.window()
         if k:
             return n, k
-        policy.record_plain(1.0)
+        policy.record_plain()
     raise AssertionError("no probe")
 
 
@@ -149,7 +159,7 @@ def test_costs_measured_at_long_contexts_do_not_change_a_short_requests_decision
         for _ in range(6):
             k = policy.window(context=150)
             windows.append(k)
-            policy.record(k, k) if k else policy.record_plain()
+            play(policy, k, k)
         return windows
 
     fresh = first_windows(CostModel())
@@ -184,17 +194,66 @@ def test_new_requests_start_from_the_server_wide_acceptance():
     assert SpeculationPolicy(6, 0.0, costs=costs, first_round_plain=False).window() == 6
 
 
-def test_rounds_feed_the_shared_cost_model():
+def test_round_reports_feed_the_shared_cost_model_and_the_policy_writes_none_of_it():
     costs = CostModel()
     policy = SpeculationPolicy(4, 0.0, costs=costs)
-    policy.record_plain(0.2)
-    policy.record(4, 3, draft_seconds=0.08, verify_seconds=0.22)
+    policy.observe(Round([1], 0, 0, False, target_sample=0.2))
+    policy.observe(Round([1, 2, 3, 4], 4, 3, False, drafter=DRAFT_MODEL, draft_sample=0.08, target_sample=0.22))
+    assert costs.cells == {} and costs.trials == {}  # the policy only reads the cost model
+    play(policy, 0, 0, target_sample=0.2)
+    reported = play(policy, 4, 3, draft_sample=0.08, target_sample=0.22)
     assert abs(costs.draft_cost(4) - 0.1) < 1e-9
     assert abs(costs.verify_cost(4) - 1.1) < 1e-9
+    assert costs.server_acceptance(0.5) == 0.75
+    assert reported.mode == Mode.SPECULATING and reported.held_back is None
+
+
+def test_a_free_drafter_keeps_drafting_while_the_draft_model_has_fallen_back():
+    """Prompt lookup runs no model: a miss costs its verification rows only, so
+    the fallback threshold (about what a draft model costs) does not stop it."""
+    policy = fixed(4, threshold=0.5)
+    for _ in range(4):
+        play(policy, 4, 0, drafter=PROMPT_LOOKUP)
+    assert policy.mode is Mode.SPECULATING and policy.window(drafter=PROMPT_LOOKUP) == 4
+    for _ in range(2):
+        play(policy, 4, 0)
+    assert policy.mode is Mode.FALLBACK
+    assert policy.window() == 0 and policy.window(drafter=PROMPT_LOOKUP) == 4
+    assert policy.plan(100, (PROMPT_LOOKUP, DRAFT_MODEL)) == (PROMPT_LOOKUP, 4)
+    assert policy.plan(100, (DRAFT_MODEL,)) == (DRAFT_MODEL, 0)
+    policy.draft_failed(RuntimeError("draft engine gone"))
+    assert policy.plan(100, (PROMPT_LOOKUP, DRAFT_MODEL)) == (PROMPT_LOOKUP, 4)
+    assert policy.plain_rounds_planned(free_drafter=True) == 1 and policy.plain_rounds_planned() > 10**6
+
+
+def test_plan_takes_the_drafter_predicted_to_serve_more_tokens_per_second():
+    costs = measured_costs(draft=0.2)
+    for _ in range(50):
+        costs.observe_acceptance(2, rejected=True, drafter=PROMPT_LOOKUP)  # a = 2/3, drafts for free
+        costs.observe_acceptance(4, rejected=True, drafter=DRAFT_MODEL)  # a = 4/5 at 0.2 steps a token
+    policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False)
+    lookup_k, lookup_speedup = costs.best_window(policy.acceptance_estimate(PROMPT_LOOKUP), 8, drafter=PROMPT_LOOKUP)
+    model_k, model_speedup = costs.best_window(policy.acceptance_estimate(DRAFT_MODEL), 8)
+    assert lookup_speedup > model_speedup
+    assert policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL)) == (PROMPT_LOOKUP, lookup_k)
+    for _ in range(50):
+        costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
+    assert policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL)) == (DRAFT_MODEL, model_k)
+
+
+def test_a_free_drafter_predicted_not_to_pay_probes_every_probe_interval_offers():
+    costs = measured_costs(draft=0.2, verify=1.5)
+    for _ in range(50):
+        costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
+    policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False,
+                               settings=PolicySettings(probe_interval=4))
+    offers = [policy.window(drafter=PROMPT_LOOKUP) for _ in range(8)]
+    assert offers[:3] == [0, 0, 0] and offers[3] >= 1 and offers[4:7] == [0, 0, 0] and offers[7] >= 1
+    assert policy.mode is Mode.SPECULATING  # the draft model's state is its own
 
 
 def test_first_round_is_plain_so_the_first_token_costs_what_plain_decoding_costs():
     policy = SpeculationPolicy(4, 0.3, adaptive=False)
     assert policy.window() == 0
-    policy.record_plain(1.0)
+    policy.record_plain()
     assert policy.window() == 4

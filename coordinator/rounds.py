@@ -1,0 +1,39 @@
+"""What one round of the loop did: the report the loop hands to the policy,
+the cost model, the request's statistics and the metrics.
+
+Each of them reads the facts it needs from the report; none reaches into
+another's state. A round is either speculative (``drafted`` > 0: the drafts of
+``drafter`` verified in one target call) or a chunk of plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Round:
+    tokens: list[int]  # emitted this round, end token excluded
+    drafted: int
+    accepted: int
+    finished: bool  # end token reached or token budget spent
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    drafter: str = ""  # which drafter proposed this round's drafts ("" for a plain round)
+    context: int = 0  # tokens in the sequence before the round (the cost model's context bucket)
+    # Cost samples: the timings of calls that did a steady round's work only
+    # (None where a call also caught up on a prefill, or was not timed).
+    draft_sample: float | None = None
+    target_sample: float | None = None
+    # The policy's state once it has taken the round in (SpeculationPolicy.observe).
+    mode: str = "speculating"
+    held_back: bool | None = None  # the load governor holds speculation back (None: no governor)
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafted > 0
+
+    @property
+    def rejected(self) -> bool:
+        """A draft token was rejected (the round ended on the target's own token)."""
+        return self.accepted < self.drafted
