@@ -36,11 +36,14 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    propose with more than one (a hybrid: prompt lookup where the text repeats
    itself, the draft model everywhere), ``plan`` prices each by its own
    acceptance and cost and takes the one predicted to serve more tokens per
-   second. Rules 1, 2 and 4 are about the draft model: a drafter that runs no
+   second; a free drafter is first tried until the request has drafted
+   ``min_evidence`` tokens with it (how well prompt lookup does depends on the
+   text, so other requests' acceptance is a poor guide). Rules 1, 2 and 4 are about the draft model: a drafter that runs no
    model (prompt lookup) costs only its verification rows when it is wrong,
    so it is priced by the cost model alone (rule 3) and keeps drafting while
    the draft model has fallen back or failed; where no window of it is
-   predicted to pay, it probes every ``probe_interval`` offers.
+   predicted to pay, it probes every ``probe_interval`` offers (and every
+   offer until the request has drafted ``min_evidence`` tokens with it).
 """
 
 from __future__ import annotations
@@ -132,6 +135,10 @@ class SpeculationPolicy:
         choice, best_k, best = (candidates[0] if candidates else DRAFT_MODEL), 0, 0.0
         for name in candidates:
             k, speedup = self._offer(context, name)
+            if k > 0 and name in FREE_DRAFTERS and self._drafted(name) < self.settings.min_evidence:
+                # Free to try, and how well it does depends on the text far more than on
+                # other requests: the request measures it before the server prior decides.
+                return name, k
             if k > 0 and (best_k == 0 or speedup > best + 1e-9):
                 choice, best_k, best = name, k, speedup
         return choice, best_k
@@ -170,7 +177,8 @@ class SpeculationPolicy:
             self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
             return 0, 1.0
         self._free_refusals += 1
-        if self._free_refusals % self.settings.probe_interval == 0:  # measure the estimate that refuses it
+        if (self._drafted(drafter) < self.settings.min_evidence  # not measured on this request's text yet
+                or self._free_refusals % self.settings.probe_interval == 0):  # measure the estimate that refuses it
             return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
         return 0, 1.0
 
@@ -182,13 +190,15 @@ class SpeculationPolicy:
         trials = accepted + sum(r for _, _, r in mine)
         return (accepted + self.settings.prior_trials * prior) / (trials + self.settings.prior_trials)
 
+    def _drafted(self, drafter: str) -> int:
+        return sum(d for d, _, _ in self._history.get(drafter, ()))
+
     def recent_acceptance(self, drafter: str = DRAFT_MODEL) -> float | None:
         """accepted / drafted over ``drafter``'s rolling history (None below min_evidence)."""
-        mine = self._history.get(drafter, ())
-        drafted = sum(d for d, _, _ in mine)
+        drafted = self._drafted(drafter)
         if drafted < self.settings.min_evidence:
             return None
-        return sum(a for _, a, _ in mine) / drafted
+        return sum(a for _, a, _ in self._history[drafter]) / drafted
 
     @property
     def held_back(self) -> bool:

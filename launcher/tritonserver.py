@@ -20,9 +20,11 @@ class TritonNotFound(RuntimeError):
 
 @dataclass(frozen=True)
 class TritonInstall:
-    binary: Path
-    backend_dir: Path
-    library_dir: Path
+    """A tritonserver from the nvidia-pytriton wheel, runnable without Docker."""
+
+    binary: Path  # bin/tritonserver
+    backend_dir: Path  # --backend-directory: the wheel's Python backend with the stub for this Python
+    library_dir: Path  # the wheel's shared libraries (LD_LIBRARY_PATH)
 
 
 def locate(cache_dir: Path) -> TritonInstall:

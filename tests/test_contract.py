@@ -135,3 +135,17 @@ def test_the_client_the_load_test_and_the_bench_carry_every_statistic():
     names = {name for _, name in api._specs()}
     for carrier in (Completion, Timing, Totals):
         assert names <= {f.name for f in dataclasses.fields(carrier)}, carrier
+
+
+def test_the_reference_documents_every_input_and_output():
+    """The one copy a new input or statistic needs besides the contract and the
+    model configs: its row in the reference's tables."""
+    import re
+    from pathlib import Path
+
+    reference = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    # names in the first cell of a table row ("| `a`, `b` | ...")
+    rows = {name for line in reference.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
+    missing = [spec.name for spec in (*api.INPUTS, *api.OUTPUTS) if spec.name not in rows]
+    assert not missing, f"docs/reference.md has no row for {missing}"

@@ -229,16 +229,36 @@ def test_a_free_drafter_keeps_drafting_while_the_draft_model_has_fallen_back():
 def test_plan_takes_the_drafter_predicted_to_serve_more_tokens_per_second():
     costs = measured_costs(draft=0.2)
     for _ in range(50):
-        costs.observe_acceptance(2, rejected=True, drafter=PROMPT_LOOKUP)  # a = 2/3, drafts for free
         costs.observe_acceptance(4, rejected=True, drafter=DRAFT_MODEL)  # a = 4/5 at 0.2 steps a token
     policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False)
+    for _ in range(3):
+        play(policy, 4, 2, drafter=PROMPT_LOOKUP)  # a = 2/3, drafting for free
     lookup_k, lookup_speedup = costs.best_window(policy.acceptance_estimate(PROMPT_LOOKUP), 8, drafter=PROMPT_LOOKUP)
     model_k, model_speedup = costs.best_window(policy.acceptance_estimate(DRAFT_MODEL), 8)
     assert lookup_speedup > model_speedup
     assert policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL)) == (PROMPT_LOOKUP, lookup_k)
-    for _ in range(50):
-        costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
+    for _ in range(8):
+        play(policy, 4, 0, drafter=PROMPT_LOOKUP)  # the text stopped repeating itself
+    model_k = costs.best_window(policy.acceptance_estimate(DRAFT_MODEL), 8)[0]
     assert policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL)) == (DRAFT_MODEL, model_k)
+
+
+def test_a_request_tries_prompt_lookup_itself_before_a_poor_server_prior_rules_it_out():
+    """Whether prompt lookup pays depends on the text: a copy-heavy request after
+    a run of requests where it did badly still finds out for itself."""
+    costs = measured_costs(draft=0.2)
+    for _ in range(50):
+        costs.observe_acceptance(4, rejected=True, drafter=DRAFT_MODEL)
+        costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
+    policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False)
+    chosen, k = policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL))
+    assert chosen == PROMPT_LOOKUP and k >= 1
+    while chosen == PROMPT_LOOKUP:
+        play(policy, k, k, drafter=PROMPT_LOOKUP)  # everything accepted: the text is copying
+        chosen, k = policy.plan(0, (PROMPT_LOOKUP, DRAFT_MODEL))
+        if policy._drafted(PROMPT_LOOKUP) >= 24:
+            break
+    assert chosen == PROMPT_LOOKUP and k == 8  # its own evidence now rules: long windows
 
 
 def test_a_free_drafter_predicted_not_to_pay_probes_every_probe_interval_offers():
@@ -247,8 +267,10 @@ def test_a_free_drafter_predicted_not_to_pay_probes_every_probe_interval_offers(
         costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
     policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False,
                                settings=PolicySettings(probe_interval=4))
-    offers = [policy.window(drafter=PROMPT_LOOKUP) for _ in range(8)]
-    assert offers[:3] == [0, 0, 0] and offers[3] >= 1 and offers[4:7] == [0, 0, 0] and offers[7] >= 1
+    assert policy.window(drafter=PROMPT_LOOKUP) >= 1  # not measured on this request yet: tried
+    play(policy, 8, 0, drafter=PROMPT_LOOKUP)
+    offers = [policy.window(drafter=PROMPT_LOOKUP) for _ in range(7)]
+    assert offers[:2] == [0, 0] and offers[2] >= 1 and offers[3:6] == [0, 0, 0] and offers[6] >= 1
     assert policy.mode is Mode.SPECULATING  # the draft model's state is its own
 
 
