@@ -124,6 +124,8 @@ class Timings:
     """Engine call timings (seconds) of one (context, load) cell."""
 
     plain_step: MovingAverage = field(default_factory=MovingAverage)
+    # what the draft's background prefill of a prompt cost the request, seconds per prompt token
+    draft_prefill: MovingAverage = field(default_factory=MovingAverage)
     draft: dict[str, dict[int, MovingAverage]] = field(default_factory=dict)  # seconds per drafter, per K
     verify: dict[int, MovingAverage] = field(default_factory=dict)  # verify call seconds per K
 
@@ -201,6 +203,23 @@ class CostModel:
 
     def observe_plain(self, seconds: float, context: int = 0, streams: int | None = None) -> None:
         self.cell(context, streams).plain_step.add(seconds)
+
+    def observe_draft_prefill(self, tokens: int, seconds: float, context: int = 0,
+                              streams: int | None = None) -> None:
+        """The draft model's catch-up on ``tokens`` tokens (a prompt's prefill) cost ``seconds``."""
+        if tokens > 0:
+            self.cell(context, streams).draft_prefill.add(seconds / tokens)
+
+    def draft_prefill_seconds(self, context: int, streams: int | None = None) -> float | None:
+        """Seconds per token of the draft's catch-up at ``context`` tokens: this cell's, else the
+        nearest shorter context's at this load (attention grows with context, so that is a floor);
+        None when nothing is measured."""
+        load = load_bucket(self.streams if streams is None else streams)
+        for bucket in range(context_bucket(context), -1, -1):
+            timings = self.cells.get((bucket, load))
+            if timings is not None and timings.draft_prefill.value is not None:
+                return timings.draft_prefill.value
+        return None
 
     def observe_draft(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None,
                       drafter: str = DRAFT_MODEL) -> None:

@@ -25,7 +25,10 @@ target goes on plainly, so the draft's prefill delays neither the first token
 nor a speculative round. Which rounds speculate then depends on timing, which
 greedy output does not; a sampled request keeps a schedule that depends only
 on its seed (the draft prefills in its first speculative round), so a seeded
-request repeats its text.
+request repeats its text. Before the draft model first catches up on a prompt
+the policy prices that catch-up (measured seconds per token of earlier
+warm-ups) against what speculation is predicted to save over the tokens
+left: a long prompt with a short completion decodes without the draft model.
 
 A draft call that raises, or does not answer within ``draft_timeout`` seconds,
 switches the request to target-only decoding (``policy.draft_failed``); the
@@ -145,6 +148,21 @@ async def speculative_decode(
     target_seen = 0
     warmup: asyncio.Task | None = None  # the draft model's prompt prefill, in the background
     warmed = False
+    draft_pays: bool | None = None  # whether the draft model's catch-up on the prompt pays (priced once)
+
+    def draft_model_pays(remaining: int) -> bool:
+        nonlocal draft_pays
+        if draft_pays is None:
+            draft_pays = policy.catch_up_pays(len(context), remaining)
+        return draft_pays
+
+    async def timed_warm_up(work, tokens: int, at: int) -> None:
+        """Run the warm-up and price it by the time it ran: an upper bound of what it
+        costs the request (the target decodes meanwhile, the slower where they share
+        cores), so the pricing errs towards plain decoding, never towards a loss."""
+        started = clock()
+        await work
+        costs.observe_draft_prefill(tokens, clock() - started, at)
 
     def report(round_: Round) -> Round:
         """The round as the cost model and the policy took it in."""
@@ -155,6 +173,8 @@ async def speculative_decode(
         while produced < max_new_tokens:
             remaining = max_new_tokens - produced
             candidates = drafter.candidates(context)
+            if DRAFT_MODEL in candidates and produced > 0 and not draft_model_pays(remaining):
+                candidates = tuple(name for name in candidates if name != DRAFT_MODEL)
             if DRAFT_MODEL in candidates and warmup is not None and not warmup.done():
                 await asyncio.sleep(0)  # let a warm-up that is about to finish finish
                 if not warmup.done():  # the draft is still prefilling the prompt: not a candidate yet
@@ -182,12 +202,13 @@ async def speculative_decode(
                         yield report(replace(round_, finished=finished))
                         if round_.finished:
                             return
-                if (not warmed and sampling.greedy and policy.max_window > 0
-                        and policy.mode is not Mode.DRAFT_FAILED and not policy.held_back):
+                if (not warmed and sampling.greedy and policy.max_window > 0 and produced < max_new_tokens
+                        and policy.mode is not Mode.DRAFT_FAILED and not policy.held_back
+                        and DRAFT_MODEL in drafter.uses and draft_model_pays(max_new_tokens - produced)):
                     warmed = True
                     work = drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"))
                     if work is not None:
-                        warmup = asyncio.ensure_future(work)
+                        warmup = asyncio.ensure_future(timed_warm_up(work, len(context), len(context)))
                 continue
             started = clock()
             try:

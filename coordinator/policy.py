@@ -182,6 +182,24 @@ class SpeculationPolicy:
             return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
         return 0, 1.0
 
+    def catch_up_pays(self, context: int, remaining: int) -> bool:
+        """Whether the draft model catching up on ``context`` tokens (its prompt
+        prefill) is predicted to save more than it costs over the ``remaining``
+        tokens; True while either cost is unmeasured (the request measures it).
+        A fixed-window request gets the draft it asked for."""
+        per_token = self.costs.draft_prefill_seconds(context)
+        plain = self.costs.plain_seconds(context)
+        if self.max_window <= 0 or not self.adaptive or per_token is None or plain is None:
+            return True
+        _, speedup = self.costs.best_window(self.acceptance_estimate(DRAFT_MODEL), self.max_window, context)
+        saving = remaining * plain * (1.0 - 1.0 / speedup)
+        cost = per_token * context
+        if saving > cost:
+            return True
+        self.reason = (f"draft model not used: catching up on {context} tokens (~{cost:.1f} s) is predicted "
+                       f"to save less over the {remaining} tokens left (~{saving:.1f} s)")
+        return False
+
     def acceptance_estimate(self, drafter: str = DRAFT_MODEL) -> float:
         """Per-token acceptance a of ``drafter``: the request's recent rounds plus a server-wide prior."""
         prior = self.costs.server_acceptance(self.settings.prior_acceptance, drafter)

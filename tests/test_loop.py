@@ -356,3 +356,42 @@ def test_after_a_fallback_the_plain_rounds_until_the_next_probe_are_one_call():
     assert target.streamed[:2] == [8, 8]  # probe_interval plain rounds, each stretch one call
     plain, _ = run([1], 40, ToyEngine(), ToyEngine(), window=0)
     assert tokens_of(rounds) == tokens_of(plain)
+
+
+def costs_where_the_draft_prefill_costs(seconds_per_token, context):
+    costs = CostModel()
+    for k in range(1, 5):
+        costs.observe_draft(k, 0.02 * k, context=context)
+        costs.observe_verify(k, 0.11, context=context)
+    costs.observe_plain(0.1, context=context)
+    costs.observe_draft_prefill(context, seconds_per_token * context, context=context)
+    for _ in range(20):
+        costs.observe_acceptance(3, rejected=True)
+    return costs
+
+
+def test_a_draft_catch_up_that_would_not_pay_is_skipped_and_the_request_says_so():
+    """A long prompt, a short completion: the draft model's prefill of the prompt is
+    priced against what speculation would save over the tokens left."""
+    prompt = [1 + (i * 7) % 50 for i in range(600)]
+    draft, target = ToyEngine(), ToyEngine()
+    policy = SpeculationPolicy(4, 0.3, costs=costs_where_the_draft_prefill_costs(0.01, 600))
+    rounds = run_stretched(prompt, 12, draft, target, policy)
+    plain, _ = run(prompt, 12, ToyEngine(), ToyEngine(), window=0)
+    assert tokens_of(rounds) == tokens_of(plain)
+    assert draft.calls == [] and sum(r.drafted for r in rounds) == 0
+    assert policy.reason.startswith("draft model not used: catching up on 601 tokens (~6.0 s)")
+    # the same request with a cheap prefill, or a completion long enough to earn it back, warms up and speculates
+    for cost, tokens in ((0.0001, 12), (0.01, 1000)):
+        draft = ToyEngine()
+        policy = SpeculationPolicy(4, 0.3, costs=costs_where_the_draft_prefill_costs(cost, 600))
+        rounds = run_stretched(prompt, tokens, draft, ToyEngine(), policy)
+        assert draft.calls[0] == (1, 0) and sum(r.drafted for r in rounds) > 0 and policy.reason == ""
+
+
+def test_the_draft_warm_up_is_timed_for_the_cost_model():
+    costs = CostModel()
+    policy = SpeculationPolicy(4, 0.3, costs=costs)
+    run_stretched([1, 2, 3] * 40, 20, ToyEngine(), ToyEngine(), policy)
+    assert costs.draft_prefill_seconds(121) is not None
+    assert costs.draft_prefill_seconds(5000) == costs.draft_prefill_seconds(121)  # a floor for longer contexts
