@@ -41,6 +41,12 @@ PRIOR_DRAFT_COST = 0.3
 PRIOR_DRAFT_COSTS = {DRAFT_MODEL: PRIOR_DRAFT_COST, PROMPT_LOOKUP: 0.0}
 PRIOR_VERIFY_COST = 1.0
 EWMA_WEIGHT = 0.1  # weight of a new sample in the moving averages (~10 recent calls)
+# The draft's prompt catch-up is priced once this many have been timed in a
+# cell (a first call pays one-time costs), and a cell that keeps refusing it
+# lets every PREFILL_EXPLORE_EVERY-th request catch up anyway, so an estimate
+# that stops the draft model is measured again instead of ruling for good.
+PREFILL_MIN_SAMPLES = 3
+PREFILL_EXPLORE_EVERY = 8
 # Upper bounds of the context buckets (tokens); the last bucket is open.
 CONTEXT_BUCKETS = (512, 1024, 2048)
 # Upper bounds of the load buckets (requests decoding at once); the last is open.
@@ -126,6 +132,7 @@ class Timings:
     plain_step: MovingAverage = field(default_factory=MovingAverage)
     # what the draft's background prefill of a prompt cost the request, seconds per prompt token
     draft_prefill: MovingAverage = field(default_factory=MovingAverage)
+    prefill_refusals: int = 0  # catch-ups the pricing refused in a row
     draft: dict[str, dict[int, MovingAverage]] = field(default_factory=dict)  # seconds per drafter, per K
     verify: dict[int, MovingAverage] = field(default_factory=dict)  # verify call seconds per K
 
@@ -208,7 +215,9 @@ class CostModel:
                               streams: int | None = None) -> None:
         """The draft model's catch-up on ``tokens`` tokens (a prompt's prefill) cost ``seconds``."""
         if tokens > 0:
-            self.cell(context, streams).draft_prefill.add(seconds / tokens)
+            timings = self.cell(context, streams)
+            timings.draft_prefill.add(seconds / tokens)
+            timings.prefill_refusals = 0
 
     def draft_prefill_seconds(self, context: int, streams: int | None = None) -> float | None:
         """Seconds per token of the draft's catch-up at ``context`` tokens: this cell's, else the
@@ -217,9 +226,15 @@ class CostModel:
         load = load_bucket(self.streams if streams is None else streams)
         for bucket in range(context_bucket(context), -1, -1):
             timings = self.cells.get((bucket, load))
-            if timings is not None and timings.draft_prefill.value is not None:
+            if timings is not None and timings.draft_prefill.samples >= PREFILL_MIN_SAMPLES:
                 return timings.draft_prefill.value
         return None
+
+    def explore_prefill(self, context: int, streams: int | None = None) -> bool:
+        """Whether a catch-up the pricing refuses should run anyway (every PREFILL_EXPLORE_EVERY-th)."""
+        timings = self.cell(context, streams)
+        timings.prefill_refusals += 1
+        return timings.prefill_refusals % PREFILL_EXPLORE_EVERY == 0
 
     def observe_draft(self, drafted: int, seconds: float, context: int = 0, streams: int | None = None,
                       drafter: str = DRAFT_MODEL) -> None:

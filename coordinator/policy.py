@@ -194,7 +194,7 @@ class SpeculationPolicy:
         _, speedup = self.costs.best_window(self.acceptance_estimate(DRAFT_MODEL), self.max_window, context)
         saving = remaining * plain * (1.0 - 1.0 / speedup)
         cost = per_token * context
-        if saving > cost:
+        if saving > cost or self.costs.explore_prefill(context):
             return True
         self.reason = (f"draft model not used: catching up on {context} tokens (~{cost:.1f} s) is predicted "
                        f"to save less over the {remaining} tokens left (~{saving:.1f} s)")

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from coordinator.costmodel import CostModel
+from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel
 from coordinator.drafters import DRAFT_MODEL
 from coordinator.loop import (
     EngineError,
@@ -364,7 +364,8 @@ def costs_where_the_draft_prefill_costs(seconds_per_token, context):
         costs.observe_draft(k, 0.02 * k, context=context)
         costs.observe_verify(k, 0.11, context=context)
     costs.observe_plain(0.1, context=context)
-    costs.observe_draft_prefill(context, seconds_per_token * context, context=context)
+    for _ in range(PREFILL_MIN_SAMPLES):
+        costs.observe_draft_prefill(context, seconds_per_token * context, context=context)
     for _ in range(20):
         costs.observe_acceptance(3, rejected=True)
     return costs
@@ -391,7 +392,21 @@ def test_a_draft_catch_up_that_would_not_pay_is_skipped_and_the_request_says_so(
 
 def test_the_draft_warm_up_is_timed_for_the_cost_model():
     costs = CostModel()
-    policy = SpeculationPolicy(4, 0.3, costs=costs)
-    run_stretched([1, 2, 3] * 40, 20, ToyEngine(), ToyEngine(), policy)
+    for request in range(PREFILL_MIN_SAMPLES):
+        assert costs.draft_prefill_seconds(121) is None  # a first call pays one-time costs: not priced yet
+        run_stretched([1, 2, 3] * 40, 20, ToyEngine(), ToyEngine(), SpeculationPolicy(4, 0.3, costs=costs))
     assert costs.draft_prefill_seconds(121) is not None
     assert costs.draft_prefill_seconds(5000) == costs.draft_prefill_seconds(121)  # a floor for longer contexts
+
+
+def test_a_refused_catch_up_is_measured_again_every_few_requests():
+    """An estimate that stops the draft model must not rule for good: nothing
+    would ever measure it again."""
+    prompt = [1 + (i * 7) % 50 for i in range(600)]
+    costs = costs_where_the_draft_prefill_costs(0.01, 600)
+    warmed_up = []
+    for _ in range(2 * PREFILL_EXPLORE_EVERY):
+        draft = ToyEngine()
+        run_stretched(prompt, 12, draft, ToyEngine(), SpeculationPolicy(4, 0.3, costs=costs))
+        warmed_up.append(bool(draft.calls))
+    assert warmed_up == ([False] * (PREFILL_EXPLORE_EVERY - 1) + [True]) * 2
