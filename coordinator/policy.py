@@ -37,13 +37,14 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    itself, the draft model everywhere), ``plan`` prices each by its own
    acceptance and cost and takes the one predicted to serve more tokens per
    second; a free drafter is first tried until the request has drafted
-   ``min_evidence`` tokens with it (how well prompt lookup does depends on the
-   text, so other requests' acceptance is a poor guide). Rules 1, 2 and 4 are about the draft model: a drafter that runs no
-   model (prompt lookup) costs only its verification rows when it is wrong,
-   so it is priced by the cost model alone (rule 3) and keeps drafting while
-   the draft model has fallen back or failed; where no window of it is
-   predicted to pay, it probes every ``probe_interval`` offers (and every
-   offer until the request has drafted ``min_evidence`` tokens with it).
+   ``min_evidence`` tokens with it (how well prompt lookup does depends on
+   the text, so other requests' acceptance is a poor guide). Rules 1, 2 and
+   4 are about the draft model: a drafter that runs no model (prompt lookup)
+   costs only its verification rows when it is wrong, so it is priced by the
+   cost model alone (rule 3) and keeps drafting while the draft model has
+   fallen back or failed; where no window of it is predicted to pay, it
+   probes every ``probe_interval`` offers (and every offer until the request
+   has drafted ``min_evidence`` tokens with it).
 """
 
 from __future__ import annotations
