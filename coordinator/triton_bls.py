@@ -2,7 +2,21 @@
 
 ``execute`` is a coroutine and every engine call is an awaited BLS request,
 so one instance serves many streams at once; each request's loop lives in
-``coordinator.generation``."""
+``coordinator.generation``.
+
+Engine calls run ``InferenceRequest.exec`` on a thread pool of their own, and
+every response of a decoupled call is awaited from that pool too, because:
+
+* ``async_exec(decoupled=True)`` of the Python backend up to Triton 2.51
+  (python_backend r24.10) captures a local ``shared_ptr`` by reference in
+  the callback it runs on a worker thread; the stub reads it after it is
+  gone and, now and then, crashes (fixed upstream in python_backend PR 439).
+* reading a decoupled call's ``ResponseIterator`` blocks until the next
+  response arrives; read on the event loop it would hold every other
+  stream's round until this one's engine answers.
+* the event loop's default executor (min(32, CPUs + 4) threads) would cap
+  the engine calls in flight at 6 on a 2-core machine.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +24,7 @@ import asyncio
 import json
 import logging
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from collections.abc import Sequence
 
@@ -31,6 +46,11 @@ from coordinator.tokenizer import Codec, SpecialTokens
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader left early
+# Each engine call in flight holds one thread while it waits for its next
+# response (a request holds up to three: target, draft, draft warm-up);
+# threads are started only when needed.
+ENGINE_CALL_THREADS = 256
+_engine_calls = ThreadPoolExecutor(max_workers=ENGINE_CALL_THREADS, thread_name_prefix="engine-call")
 
 
 class BlsEngine:
@@ -91,12 +111,13 @@ class BlsEngine:
             inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
             requested_output_names=outputs,
         )
-        if not self.decoupled:
-            responses = _as_async([await request.async_exec()])
+        loop = asyncio.get_running_loop()
+        if self.decoupled:
+            responses = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
         else:
-            responses = _as_async(await request.async_exec(decoupled=True))
+            responses = iter([await loop.run_in_executor(_engine_calls, request.exec)])
         try:
-            async for response in responses:
+            while (response := await _next_response(loop, responses)) is not None:
                 if response.has_error():
                     raise EngineError(f"{self.model_name}: {response.error().message()}")
                 yield response
@@ -105,9 +126,14 @@ class BlsEngine:
             # takes the rest of the stream, so the engine's request is released;
             # bounded, because a stream whose request Triton cancelled may never end.
             try:
-                await asyncio.wait_for(_drain(responses), DRAIN_SECONDS)
+                await asyncio.wait_for(_drain(loop, responses), DRAIN_SECONDS)
             except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
                 log.info("%s: left an engine stream unread: %r", self.model_name, error)
+
+
+async def _next_response(loop, responses):
+    """The next response of an engine call (None after the last), awaited off the event loop."""
+    return await loop.run_in_executor(_engine_calls, next, responses, None)
 
 
 def _tokens(response) -> list[int] | None:
@@ -119,18 +145,9 @@ def _tokens(response) -> list[int] | None:
     return generated_tokens(output_ids.as_numpy(), lengths)
 
 
-async def _drain(responses) -> None:
-    async for _ in responses:
+async def _drain(loop, responses) -> None:
+    while await _next_response(loop, responses) is not None:
         pass
-
-
-async def _as_async(responses):
-    if hasattr(responses, "__aiter__"):
-        async for response in responses:
-            yield response
-    else:
-        for response in responses:
-            yield response
 
 
 def _triton_instrument(families: dict[str, object], spec: MetricSpec):
@@ -194,6 +211,11 @@ class TritonPythonModel:
                 cancelled=lambda: _cancelled(request, sender),  # asked after every round
             )
             async for chunk in chunks:
+                if chunk.final:
+                    # Counted before the client can see the end of its request, so the
+                    # metrics port never lags the responses (the stream's clean-up follows).
+                    outcome = "success"
+                    metrics.finish(outcome)
                 if generation.stream:
                     if chunk.text or chunk.final:
                         sender.send(_response(chunk.text, chunk if chunk.final else None),

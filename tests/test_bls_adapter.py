@@ -1,0 +1,171 @@
+"""The coordinator's Triton adapter against a stand-in for the Python backend's
+``triton_python_backend_utils`` that behaves as Triton 2.51's does where it
+matters here: ``exec(decoupled=True)`` returns a ``ResponseIterator`` whose
+``next`` blocks until the engine's next response, and ``async_exec`` is
+unsafe (python_backend r24.10, src/pb_stub.cc: its decoupled callback reads a
+``shared_ptr`` captured by reference after it is gone; fixed upstream in
+python_backend PR 439), so the adapter must not call it."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from coordinator.sampling import SamplingParams
+from coordinator.tokenizer import SpecialTokens
+
+TIMEOUT = 10.0
+
+
+class _Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def as_numpy(self):
+        return self._array
+
+
+class _Response:
+    def __init__(self, tokens=None, error=None):
+        self.tensors = {}
+        if tokens is not None:
+            self.tensors = {"output_ids": _Tensor("output_ids", np.array([[tokens]], dtype=np.int32)),
+                            "sequence_length": _Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32))}
+        self._error = error
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return types.SimpleNamespace(message=lambda: self._error)
+
+
+class _BlockingIterator:
+    """A decoupled call's responses; ``next`` waits until the test releases them."""
+
+    def __init__(self, responses, released: threading.Event):
+        self._responses, self._released = list(responses), released
+        self.reader_threads: set[str] = set()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.reader_threads.add(threading.current_thread().name)
+        if not self._released.wait(TIMEOUT):
+            raise RuntimeError("never released")
+        if not self._responses:
+            raise StopIteration
+        return self._responses.pop(0)
+
+
+class FakeBackend(types.ModuleType):
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    def __init__(self):
+        super().__init__("triton_python_backend_utils")
+        self.engines: dict[str, tuple[list, threading.Event]] = {}
+        self.iterators: list[_BlockingIterator] = []
+        backend = self
+
+        class InferenceRequest:
+            def __init__(self, model_name, inputs, requested_output_names):
+                self.model_name = model_name
+
+            def exec(self, decoupled=False):
+                responses, released = backend.engines[self.model_name]
+                if not decoupled:
+                    released.wait(TIMEOUT)
+                    return responses[0]
+                iterator = _BlockingIterator(responses, released)
+                backend.iterators.append(iterator)
+                return iterator
+
+            def async_exec(self, decoupled=False):
+                raise AssertionError("async_exec is unsafe in Triton 2.51's Python backend")
+
+        self.InferenceRequest = InferenceRequest
+        self.Tensor = _Tensor
+
+    @staticmethod
+    def get_output_tensor_by_name(response, name):
+        return response.tensors.get(name)
+
+
+@pytest.fixture
+def bls(monkeypatch):
+    backend = FakeBackend()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
+    monkeypatch.delitem(sys.modules, "coordinator.triton_bls", raising=False)
+    module = importlib.import_module("coordinator.triton_bls")
+    yield module, backend
+    sys.modules.pop("coordinator.triton_bls", None)
+
+
+SPECIAL = SpecialTokens(eos_token_ids=(0,), pad_token_id=0)
+
+
+def test_a_call_waiting_for_its_engine_does_not_hold_other_calls(bls):
+    """While one stream waits for its engine, another stream's call goes
+    through: reading a response never blocks the event loop."""
+    module, backend = bls
+    slow_released, fast_released = threading.Event(), threading.Event()
+    fast_released.set()
+    backend.engines["slow"] = ([_Response([5, 6]), _Response([7])], slow_released)
+    backend.engines["fast"] = ([_Response([1, 2, 3])], fast_released)
+    slow = module.BlsEngine("slow", SPECIAL, decoupled=True)
+    fast = module.BlsEngine("fast", SPECIAL, decoupled=True)
+
+    async def both():
+        waiting = asyncio.ensure_future(slow.generate([9, 9], 3, SamplingParams()))
+        done = await fast.generate([9], 3, SamplingParams())  # while "slow" is still waiting
+        assert not waiting.done()
+        slow_released.set()
+        return done, await waiting
+
+    fast_out, slow_out = asyncio.run(asyncio.wait_for(both(), TIMEOUT))
+    assert fast_out.tokens == [1, 2, 3]
+    assert slow_out.tokens == [5, 6, 7]
+    readers = set().union(*(it.reader_threads for it in backend.iterators))
+    assert readers and all(name.startswith("engine-call") for name in readers)
+
+
+def test_a_stream_read_in_part_is_drained_off_the_event_loop(bls):
+    module, backend = bls
+    released = threading.Event()
+    released.set()
+    backend.engines["draft"] = ([_Response([1]), _Response([2]), _Response([3])], released)
+    engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
+
+    async def first_only():
+        async for tokens in engine.stream([9], 3, SamplingParams()):
+            return tokens
+
+    assert asyncio.run(first_only()) == [1]
+    assert backend.iterators[0]._responses == []  # the rest was read, so the engine releases the request
+
+
+def test_an_engine_error_is_raised_with_the_models_name(bls):
+    module, backend = bls
+    released = threading.Event()
+    released.set()
+    backend.engines["target"] = ([_Response(error="out of memory")], released)
+    for decoupled in (True, False):
+        engine = module.BlsEngine("target", SPECIAL, decoupled=decoupled)
+        with pytest.raises(module.EngineError, match="target: out of memory"):
+            asyncio.run(engine.generate([9], 1, SamplingParams()))
+
+
+def test_a_model_that_is_not_decoupled_answers_once(bls):
+    module, backend = bls
+    released = threading.Event()
+    released.set()
+    backend.engines["target"] = ([_Response([4, 2])], released)
+    engine = module.BlsEngine("target", SPECIAL, decoupled=False)
+    assert asyncio.run(engine.generate([9], 2, SamplingParams())).tokens == [4, 2]
