@@ -387,7 +387,10 @@ def test_a_draft_catch_up_that_would_not_pay_is_skipped_and_the_request_says_so(
         draft = ToyEngine()
         policy = SpeculationPolicy(4, 0.3, costs=costs_where_the_draft_prefill_costs(cost, 600))
         rounds = run_stretched(prompt, tokens, draft, ToyEngine(), policy)
-        assert draft.calls[0] == (1, 0) and sum(r.drafted for r in rounds) > 0 and policy.reason == ""
+        # (later rounds are priced from the toy engines' wall-clock timings, which a busy
+        # machine makes noisy: only the catch-up decision is asserted)
+        assert draft.calls[0] == (1, 0) and sum(r.drafted for r in rounds) > 0
+        assert not policy.reason.startswith("draft model not used")
 
 
 def test_the_draft_warm_up_is_timed_for_the_cost_model():

@@ -40,25 +40,44 @@ def test_zero_window_is_plain_decoding():
 
 
 def test_fallback_needs_evidence_then_acts_below_threshold():
-    policy = fixed(4, 0.5)
-    policy.record(4, 1)  # 4 drafted < min_evidence 8: no decision yet
+    policy = fixed(4, 0.5)  # server-wide prior: 0.5 worth 4 trials
+    policy.record(4, 0)  # 4 drafted < min_evidence 8: no decision yet
     assert policy.mode is Mode.SPECULATING
-    policy.record(4, 1)  # 2/8 = 0.25 < 0.5
-    assert policy.mode is Mode.FALLBACK and "0.25 below fallback_threshold 0.5" in policy.reason
+    policy.record(4, 0)  # per token (0 + 4 * 0.5) / (2 + 4) = 0.33 < 0.5
+    assert policy.mode is Mode.FALLBACK and "per-token acceptance 0.33 below fallback_threshold 0.5" in policy.reason
     assert policy.window() == 0
 
 
 def test_at_threshold_keeps_speculating():
     policy = fixed(4, 0.5)
-    policy.record(4, 2)
-    policy.record(4, 2)
+    policy.record(4, 1)
+    policy.record(4, 1)  # (2 + 2) / (4 + 4) = 0.5: one accepted per rejection
     assert policy.mode is Mode.SPECULATING
 
 
-def enter_fallback(policy):
-    policy.record(4, 0)
-    policy.record(4, 0)
+def test_one_long_window_that_is_rejected_early_does_not_stop_a_request():
+    """A window of 8 at a per-token acceptance of 0.75 accepts 34 % of its tokens
+    on average; a ratio over drafted tokens (1/8 here) would fall back on one round."""
+    policy = fixed(8, 0.3)
+    policy.record(8, 1)
+    assert policy.mode is Mode.SPECULATING
+
+
+def test_a_useless_draft_still_falls_back_within_a_few_rounds():
+    policy = fixed(8, 0.3)
+    policy.record(8, 0)
+    policy.record(8, 0)  # (0 + 2) / (2 + 4) = 0.33
+    assert policy.mode is Mode.SPECULATING
+    policy.record(8, 0)  # 2 / 7 = 0.29
     assert policy.mode is Mode.FALLBACK
+
+
+def enter_fallback(policy):
+    for _ in range(8):
+        policy.record(4, 0)
+        if policy.mode is Mode.FALLBACK:
+            return
+    raise AssertionError("no fallback")
 
 
 def plain_until_probe(policy, limit=200):
@@ -98,16 +117,16 @@ def test_fallback_interval_is_capped():
 def test_speculation_resumes_when_probes_clear_threshold_plus_hysteresis():
     policy = fixed(4, 0.3)
     enter_fallback(policy)
-    for _ in range(4):  # 8 probe tokens, 3 accepted: 0.375 < 0.3 + 0.1
+    for probe in range(4):  # 8 probe tokens, 2 accepted, 4 rejections: 0.33 per token < 0.3 + 0.1
         plain_until_probe(policy)
-        policy.record(2, 1 if _ < 3 else 0)
+        policy.record(2, 1 if probe < 2 else 0)
     assert policy.mode is Mode.FALLBACK
     for _ in range(4):  # 8 probe tokens, 8 accepted
         plain_until_probe(policy)
         policy.record(2, 2)
     assert policy.mode is Mode.SPECULATING and policy.window() == 4
-    # the rounds that caused the fallback no longer count against it
-    assert policy.recent_acceptance() == 1.0
+    # the rounds that caused the fallback no longer count against it: only the probes' 8 of 8
+    assert policy.recent_acceptance() == (8 + 4 * 0.5) / (8 + 4)
 
 
 def test_draft_failure_is_final_for_the_request():
