@@ -76,3 +76,38 @@ def test_copy_heavy_prompts_show_a_held_out_function_then_start_it_again():
     for prompt in prompts:
         signature = next(line for line in prompt.text.splitlines() if line.startswith("def "))
         assert prompt.text.count(signature) == 2 and prompt.text.rstrip().endswith('"""')
+
+
+def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
+    """Mode after mode, the first would always meet the least-learnt server."""
+    import types
+
+    import tools.client
+    from tools.compare import run_one_stream
+    from tools.prompts import Prompt
+
+    sent = []
+
+    class Client:
+        def __init__(self, url):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def completion(client, mode):
+        sent.append(mode)
+        return types.SimpleNamespace(completion_tokens=8, draft_tokens=4, accepted_draft_tokens=3,
+                                     time_to_first_chunk=0.1, text="x", fallback_reason="")
+
+    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", Client)
+    monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: mode)
+    monkeypatch.setattr(tools.client, "stream_completion", completion)
+    prompts = [Prompt(f"p{i}", f"def f{i}():", 3) for i in range(3)]
+    runs = run_one_stream("x", ("plain", "adaptive", "fixed"), prompts, 8, 4, 150)
+    assert sent == ["plain", "adaptive", "fixed", "adaptive", "fixed", "plain", "fixed", "plain", "adaptive"]
+    assert [m.system for m in runs] == ["server plain", "server adaptive", "server fixed"]
+    assert all(m.requests == 3 and m.completion_tokens == 24 and m.seconds > 0 for m in runs)

@@ -66,6 +66,7 @@ class Measurement:
     drafted: int = 0
     accepted: int = 0
     texts: dict[str, str] = field(default_factory=dict)  # prompt id -> text (the first completion's)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # why requests stopped speculating -> how many
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -176,13 +177,7 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
                     text = f"# {tag} {index}.{step}\n{prompt.text}" if tag else prompt.text
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
                     with lock:
-                        measurement.requests += 1
-                        measurement.completion_tokens += completion.completion_tokens
-                        measurement.drafted += completion.draft_tokens
-                        measurement.accepted += completion.accepted_draft_tokens
-                        if completion.time_to_first_chunk is not None:
-                            measurement.first_text.append(completion.time_to_first_chunk)
-                        measurement.texts.setdefault(prompt.prompt_id, completion.text)
+                        _record(measurement, prompt, completion)
                     step += 1
         except BaseException as error:  # reported after the run
             errors.append(error)
@@ -197,6 +192,46 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
     if errors:
         raise BenchError(f"server {mode} at {concurrency} streams: {errors[0]}")
     return measurement
+
+
+def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_tokens: int, fixed_window: int,
+                   length: int, prompt_set: str = HUMANEVAL) -> list[Measurement]:
+    """Every mode on every prompt, one request at a time, the modes' order turned
+    by one from prompt to prompt: run mode after mode, the first would always meet
+    the server's least-learnt estimates and the last the most. Each mode's seconds
+    are its own requests' wall time; each request's prompt starts with a line of
+    its own, so none reuses the KV cache of another."""
+    import tritonclient.grpc as grpcclient
+
+    from tools.client import stream_completion
+
+    measurements = {mode: Measurement(f"server {mode}", length, 1, prompt_set) for mode in modes}
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            for step, prompt in enumerate(prompts):
+                turned = list(modes[step % len(modes):]) + list(modes[:step % len(modes)])
+                for mode in turned:
+                    text = f"# {mode} {length} 1.{step}\n{prompt.text}"
+                    started = time.perf_counter()
+                    completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
+                    measurements[mode].seconds += time.perf_counter() - started
+                    _record(measurements[mode], prompt, completion)
+    except Exception as error:  # noqa: BLE001 - reported as the run's error
+        raise BenchError(f"server at one stream: {error}") from error
+    return [measurements[mode] for mode in modes]
+
+
+def _record(measurement: Measurement, prompt: Prompt, completion) -> None:
+    measurement.requests += 1
+    measurement.completion_tokens += completion.completion_tokens
+    measurement.drafted += completion.draft_tokens
+    measurement.accepted += completion.accepted_draft_tokens
+    if completion.time_to_first_chunk is not None:
+        measurement.first_text.append(completion.time_to_first_chunk)
+    measurement.texts.setdefault(prompt.prompt_id, completion.text)
+    if completion.fallback_reason:
+        reason = completion.fallback_reason
+        measurement.fallbacks[reason] = measurement.fallbacks.get(reason, 0) + 1
 
 
 # -- summary -----------------------------------------------------------------------
@@ -244,6 +279,12 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
         if plain is not None and plain.tokens_per_second and m.tokens_per_second:
             overhead[str(length)] = m.tokens_per_second / plain.tokens_per_second - 1
     return {"rows": rows, "mismatches": mismatches, "serving_overhead": overhead}
+
+
+def _progress_line(m: Measurement) -> str:
+    stopped = "".join(f"; {count}x stopped speculating: {reason}" for reason, count in m.fallbacks.items())
+    return (f"{m.system}, {m.prompt_set} {m.prompt_tokens}-token prompts, {m.concurrency} streams: "
+            f"{m.tokens_per_second:.2f} tok/s total, {m.accepted}/{m.drafted} drafted tokens accepted{stopped}")
 
 
 def _fmt(value, spec=".2f", suffix=""):
@@ -334,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
     parser.add_argument("--concurrency", type=parse_windows, default=[1, 2, 4, 8], metavar="N,N,...",
-                        help="streams at once for the server runs (default 1,2,4,8; at the shortest prompt length)")
+                        help="streams at once for the server runs (default 1,2,4,8; at the shortest prompt "
+                             "length; one stream always runs, its modes interleaved prompt by prompt)")
     parser.add_argument("--prompt-tokens", type=parse_windows, default=[150, 750, 2000], metavar="N,N,...",
                         help="prompt lengths (default 150,750,2000; longer ones run at one stream)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per length (default 2)")
@@ -385,21 +427,25 @@ def main(argv: list[str] | None = None) -> int:
             measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress,
                                       copy, CoordinatorSettings().speculation_window)
         shortest = min(prompts)
-        plan = [(HUMANEVAL, shortest, prompts[shortest], c, SERVER_MODES) for c in sorted(set(args.concurrency))]
-        plan.append((HUMANEVAL, shortest, prompts[shortest], 1, DRAFTER_MODES))
-        plan += [(HUMANEVAL, length, prompts[length], 1, SERVER_MODES) for length in sorted(prompts) if length != shortest]
+        # One stream: the modes interleaved prompt by prompt (run_one_stream).
+        one_stream = [(HUMANEVAL, shortest, prompts[shortest], SERVER_MODES + DRAFTER_MODES)]
+        one_stream += [(HUMANEVAL, length, prompts[length], SERVER_MODES) for length in sorted(prompts)
+                       if length != shortest]
         if copy:
-            plan.append((COPY, copy_length(copy), copy, 1, SERVER_MODES + DRAFTER_MODES))
-        for prompt_set, length, group, concurrency, modes in plan:
-            for mode in modes:
-                if concurrency > 1 and args.warmup_seconds > 0:  # the same load, unmeasured
-                    run_server(args.url, mode, group, concurrency, args.max_tokens, args.fixed_window,
-                               length, tag=f"warm-up {mode} {length} {concurrency}", seconds=args.warmup_seconds)
-                m = run_server(args.url, mode, group, concurrency, args.max_tokens, args.fixed_window,
-                               length, tag=f"{mode} {length} {concurrency}", prompt_set=prompt_set)
+            one_stream.append((COPY, copy_length(copy), copy, SERVER_MODES + DRAFTER_MODES))
+        for prompt_set, length, group, modes in one_stream:
+            for m in run_one_stream(args.url, modes, group, args.max_tokens, args.fixed_window, length, prompt_set):
                 measurements.append(m)
-                progress(f"server {mode}, {prompt_set} {length}-token prompts, {concurrency} streams: "
-                         f"{m.tokens_per_second:.2f} tok/s total")
+                progress(_progress_line(m))
+        for concurrency in sorted(set(args.concurrency) - {1}):
+            for mode in SERVER_MODES:
+                if args.warmup_seconds > 0:  # the same load, unmeasured
+                    run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
+                               shortest, tag=f"warm-up {mode} {shortest} {concurrency}", seconds=args.warmup_seconds)
+                m = run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
+                               shortest, tag=f"{mode} {shortest} {concurrency}")
+                measurements.append(m)
+                progress(_progress_line(m))
         # Identity: the same prompts in every mode, in a crowd of the largest concurrency.
         crowd = max(args.concurrency)
         identity = [run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
