@@ -113,11 +113,17 @@ class BlsEngine:
         )
         loop = asyncio.get_running_loop()
         if self.decoupled:
-            responses = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+            stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+
+            async def next_response():  # blocks until the engine answers: read off the event loop
+                return await loop.run_in_executor(_engine_calls, next, stream, None)
         else:
-            responses = iter([await loop.run_in_executor(_engine_calls, request.exec)])
+            single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
+
+            async def next_response():  # already here: no thread hop
+                return next(single, None)
         try:
-            while (response := await _next_response(loop, responses)) is not None:
+            while (response := await next_response()) is not None:
                 if response.has_error():
                     raise EngineError(f"{self.model_name}: {response.error().message()}")
                 yield response
@@ -126,14 +132,9 @@ class BlsEngine:
             # takes the rest of the stream, so the engine's request is released;
             # bounded, because a stream whose request Triton cancelled may never end.
             try:
-                await asyncio.wait_for(_drain(loop, responses), DRAIN_SECONDS)
+                await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
             except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
                 log.info("%s: left an engine stream unread: %r", self.model_name, error)
-
-
-async def _next_response(loop, responses):
-    """The next response of an engine call (None after the last), awaited off the event loop."""
-    return await loop.run_in_executor(_engine_calls, next, responses, None)
 
 
 def _tokens(response) -> list[int] | None:
@@ -145,8 +146,8 @@ def _tokens(response) -> list[int] | None:
     return generated_tokens(output_ids.as_numpy(), lengths)
 
 
-async def _drain(loop, responses) -> None:
-    while await _next_response(loop, responses) is not None:
+async def _drain(next_response) -> None:
+    while await next_response() is not None:
         pass
 
 
