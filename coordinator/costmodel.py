@@ -195,6 +195,9 @@ class CostModel:
             if round_.target_sample is not None:
                 self.observe_verify(round_.drafted, round_.target_sample, round_.context)
             self.observe_acceptance(round_.accepted, round_.rejected, round_.drafter)
+            for drafter, accepted, rejected in round_.alternatives:
+                if accepted or rejected:
+                    self.observe_acceptance(accepted, rejected, drafter)
         elif round_.target_sample is not None and round_.tokens:
             self.observe_plain(round_.target_sample / len(round_.tokens), round_.context)
 

@@ -22,7 +22,11 @@ token is the target's own sample. So a drafter that has no distribution
   policy takes the one predicted to serve more tokens per second
   (coordinator/policy.py). Short matches are left to the draft model: in code
   that is not copying, a 3-token match predicts the next token about as often
-  as a coin, and the draft model then has text to catch up on.
+  as a coin, and the draft model then has text to catch up on. Where the
+  draft model is ready, it drafts and prompt lookup's proposal is scored
+  against what the target emitted, so prompt lookup earns its rounds with
+  evidence that cost nothing; where the draft model would first have to
+  catch up on the context, prompt lookup is preferred and tried first.
 
 Each proposal names the drafter that made it, so the cost model prices each
 one by its own measured cost and acceptance.
@@ -54,6 +58,9 @@ class Proposal:
     tokens: list[int]
     log_probs: np.ndarray | None = None  # log q [len(tokens), vocab]; None: verified by token matching
     seconds: float | None = None  # what drafting cost, when it is a steady-state sample
+    # What free drafters that could also propose here would have proposed: scored against
+    # the round's tokens (loop.score_alternatives), they learn without costing a round.
+    alternatives: tuple[tuple[str, list[int]], ...] = ()
 
 
 class Drafter(Protocol):
@@ -177,7 +184,11 @@ class HybridDrafter:
 
     def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
         _, tokens = self.lookup.match(context, 1)
-        return self.uses if tokens else (self.model.name,)
+        if not tokens:
+            return (self.model.name,)
+        if len(context) - self.model.seen > self.model.catch_up_after:  # the draft model is cold here
+            return self.lookup.name, self.model.name
+        return self.model.name, self.lookup.name
 
     async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
                       using: str | None = None) -> Proposal:
@@ -185,7 +196,9 @@ class HybridDrafter:
         self._last = using
         if using == self.lookup.name:
             return await self.lookup.propose(context, k, seed, distribution)
-        return await self.model.propose(context, k, seed, distribution)
+        proposal = await self.model.propose(context, k, seed, distribution)
+        _, alternative = self.lookup.match(context, k + 1)  # the round emits k + 1 tokens at most
+        return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         # Where prompt lookup has a match the text is likely copying: the draft

@@ -243,7 +243,8 @@ async def speculative_decode(
             round_ = Round(emitted, len(drafts), accepted, ended or produced + len(emitted) >= max_new_tokens,
                            draft_seconds, target_seconds, drafter=proposal.drafter if drafts else "",
                            context=position, draft_sample=proposal.seconds if drafts else None,
-                           target_sample=target_seconds if steady else None)
+                           target_sample=target_seconds if steady else None,
+                           alternatives=score_alternatives(proposal.alternatives, emitted) if drafts else ())
             context += emitted
             produced += len(emitted)
             yield report(round_)
@@ -252,6 +253,19 @@ async def speculative_decode(
     finally:
         if warmup is not None and not warmup.done():
             warmup.add_done_callback(_drop_result)
+
+
+def score_alternatives(alternatives: Sequence[tuple[str, Sequence[int]]],
+                       emitted: Sequence[int]) -> tuple[tuple[str, int, bool], ...]:
+    """(drafter, accepted, rejected) of each alternative proposal had it been verified by
+    token matching: its tokens are tried in order against what the target emitted (its
+    own sample at every position, distributed as the target's for sampled requests too),
+    up to the first that differs; tokens past the emitted ones are not tried."""
+    scored = []
+    for name, tokens in alternatives:
+        matched = common_prefix_length(tokens, emitted)
+        scored.append((name, matched, matched < min(len(tokens), len(emitted))))
+    return tuple(scored)
 
 
 async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampling: SamplingParams,

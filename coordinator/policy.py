@@ -42,9 +42,13 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    propose with more than one (a hybrid: prompt lookup where the text repeats
    itself, the draft model everywhere), ``plan`` prices each by its own
    acceptance and cost and takes the one predicted to serve more tokens per
-   second; a free drafter is first tried until the request has drafted
-   ``min_evidence`` tokens with it (how well prompt lookup does depends on
-   the text, so other requests' acceptance is a poor guide). Rules 1, 2 and
+   second. How well prompt lookup does depends on the text, so other
+   requests' acceptance is a poor guide: where it is the preferred
+   candidate (the draft model would first catch up on the context) it is
+   tried until the request has drafted ``min_evidence`` tokens with it;
+   elsewhere its proposal is scored against every round the draft model
+   drafts (``Round.alternatives``), so it earns its rounds on evidence that
+   cost nothing. Rules 1, 2 and
    4 are about the draft model: a drafter that runs no model (prompt lookup)
    costs only its verification rows when it is wrong, so it is priced by the
    cost model alone (rule 3) and keeps drafting while the draft model has
@@ -143,9 +147,13 @@ class SpeculationPolicy:
         choice, best_k, best = (candidates[0] if candidates else DRAFT_MODEL), 0, 0.0
         for name in candidates:
             k, speedup = self._offer(context, name)
-            if k > 0 and name in FREE_DRAFTERS and self._drafted(name) < self.settings.min_evidence:
+            if (k > 0 and name in FREE_DRAFTERS and name == candidates[0]
+                    and self._drafted(name) < self.settings.min_evidence):
                 # Free to try, and how well it does depends on the text far more than on
-                # other requests: the request measures it before the server prior decides.
+                # other requests: where it is the drafter preferred here (the others would
+                # first catch up, or there are none), the request measures it before the
+                # server prior decides. Where another is preferred, it learns from the
+                # rounds the other drafts (Round.alternatives).
                 return name, k
             if k > 0 and (best_k == 0 or speedup > best + 1e-9):
                 choice, best_k, best = name, k, speedup
@@ -251,6 +259,8 @@ class SpeculationPolicy:
         """Take in one round's report; the report with the policy's state after it."""
         if round_.speculative:
             self.record(round_.drafted, round_.accepted, round_.drafter or DRAFT_MODEL)
+            for drafter, accepted, rejected in round_.alternatives:
+                self._remember(accepted + int(rejected), accepted, drafter)
         else:
             self.record_plain(len(round_.tokens))
         return replace(round_, mode=self.mode.value, held_back=None if self.governor is None else self.held_back)
@@ -260,11 +270,7 @@ class SpeculationPolicy:
         self._rounds += 1
         if drafted <= 0:
             return
-        rejected = accepted < drafted
-        history = self._history.setdefault(drafter, deque())
-        history.append((drafted, accepted, int(rejected)))
-        while sum(d for d, _, _ in history) - history[0][0] >= self.settings.history_tokens:
-            history.popleft()
+        self._remember(drafted, accepted, drafter)
         if drafter in FREE_DRAFTERS or self.mode is Mode.DRAFT_FAILED:
             return
         if self.mode is Mode.SPECULATING:
@@ -276,6 +282,15 @@ class SpeculationPolicy:
                 )
             return
         self._after_probe(drafted, accepted, drafter)
+
+    def _remember(self, drafted: int, accepted: int, drafter: str) -> None:
+        """Add ``drafted`` tried tokens of ``drafter``, ``accepted`` of them, to its recent history."""
+        if drafted <= 0:
+            return
+        history = self._history.setdefault(drafter, deque())
+        history.append((drafted, accepted, int(accepted < drafted)))
+        while sum(d for d, _, _ in history) - history[0][0] >= self.settings.history_tokens:
+            history.popleft()
 
     def record_plain(self, tokens: int = 1) -> None:
         """Plain target decoding emitted ``tokens`` tokens."""

@@ -28,6 +28,10 @@ class Round:
     # The policy's state once it has taken the round in (SpeculationPolicy.observe).
     mode: str = "speculating"
     held_back: bool | None = None  # the load governor holds speculation back (None: no governor)
+    # How other candidates' proposals at the same context would have fared against
+    # this round's tokens, (drafter, accepted, rejected) each: evidence for a free
+    # drafter the round did not use (Proposal.alternatives).
+    alternatives: tuple[tuple[str, int, bool], ...] = ()
 
     @property
     def speculative(self) -> bool:

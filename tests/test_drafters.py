@@ -19,7 +19,7 @@ from coordinator.drafters import (
     lookup,
     make_drafter,
 )
-from coordinator.loop import speculative_decode
+from coordinator.loop import score_alternatives, speculative_decode
 from coordinator.policy import Mode, SpeculationPolicy
 from coordinator.rounds import Round
 from coordinator.sampling import SamplingParams, processed_probs
@@ -57,6 +57,53 @@ def test_the_hybrid_offers_prompt_lookup_only_where_the_match_is_confident():
     assert proposal.drafter == DRAFT_MODEL and len(proposal.tokens) == 2
     proposal = asyncio.run(hybrid.propose([1, 2, 3, 9, 8, 2, 3], 2, seed=0, distribution=False))
     assert proposal.drafter == DRAFT_MODEL and len(proposal.tokens) == 2
+
+
+def test_a_warm_draft_model_is_preferred_and_reports_what_prompt_lookup_would_have_proposed():
+    model = ModelDrafter(ToyEngine(), GREEDY, (), catch_up_after=6)
+    hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3, min_ngram=3))
+    context = [1, 2, 3, 9, 4, 5, 1, 2, 3]
+    assert hybrid.candidates(context) == (PROMPT_LOOKUP, DRAFT_MODEL)  # cold: it would catch up on 9 tokens
+    model.verified(len(context) - 2)
+    assert hybrid.candidates(context) == (DRAFT_MODEL, PROMPT_LOOKUP)
+    proposal = asyncio.run(hybrid.propose(context, 2, seed=0, distribution=False))
+    assert proposal.drafter == DRAFT_MODEL and proposal.alternatives == ((PROMPT_LOOKUP, [9, 4, 5]),)
+
+
+def test_an_alternative_is_scored_as_token_matching_would_have_verified_it():
+    assert score_alternatives([(PROMPT_LOOKUP, [7, 8, 9])], [7, 8, 4]) == ((PROMPT_LOOKUP, 2, True),)
+    assert score_alternatives([(PROMPT_LOOKUP, [7, 8, 9])], [7, 8]) == ((PROMPT_LOOKUP, 2, False),)  # not tried
+    assert score_alternatives([(PROMPT_LOOKUP, [7])], [7, 8, 4]) == ((PROMPT_LOOKUP, 1, False),)
+    assert score_alternatives([(PROMPT_LOOKUP, [5, 8])], [7, 8]) == ((PROMPT_LOOKUP, 0, True),)
+
+
+def test_the_hybrid_in_the_loop_learns_prompt_lookup_from_the_draft_models_rounds():
+    """Copying text with a warm draft model: the draft model drafts, and its rounds
+    score prompt lookup's proposals (every emitted token right, the text copies), so
+    the request's evidence for lookup grows without a round of its own; the output
+    stays plain decoding's."""
+    def copying(context):  # the next token repeats the one 8 positions back
+        logits = np.full(VOCAB, -5.0)
+        logits[context[-8]] = 5.0
+        return logits
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    target, draft = ToyEngine(copying), ToyEngine(copying)
+    model = ModelDrafter(draft, GREEDY, (999,), catch_up_after=4)
+    model.verified(len(prompt))  # warm: its cache holds the prompt
+    hybrid = HybridDrafter(model, PromptLookupDrafter(max_ngram=3, min_ngram=3))
+    policy = SpeculationPolicy(3, 0.0, costs=CostModel(), adaptive=False, first_round_plain=False)
+
+    async def collect():
+        return [r async for r in speculative_decode(prompt, 16, drafter=hybrid, target=target, policy=policy,
+                                                    sampling=GREEDY, end_ids=(999,))]
+
+    rounds = asyncio.run(collect())
+    assert [t for r in rounds for t in r.tokens] == (prompt * 2)[32:48]
+    assert {r.drafter for r in rounds} == {DRAFT_MODEL}
+    assert [r.alternatives for r in rounds] == [((PROMPT_LOOKUP, len(r.tokens), False),) for r in rounds]
+    assert policy._drafted(PROMPT_LOOKUP) == 16 and policy.acceptance_estimate(PROMPT_LOOKUP) > 0.75
+    assert policy.costs.server_acceptance(0.0, PROMPT_LOOKUP) == 1.0
 
 
 def test_make_drafter_names_every_drafter_and_refuses_others():

@@ -6,10 +6,10 @@ from coordinator.policy import Mode, PolicySettings, SpeculationPolicy
 from coordinator.rounds import Round
 
 
-def play(policy, drafted, accepted, drafter=DRAFT_MODEL, context=0, **samples):
+def play(policy, drafted, accepted, drafter=DRAFT_MODEL, context=0, **fields):
     """Report one round to the cost model and the policy, as the loop does."""
     round_ = Round([0] * (accepted + 1), drafted, accepted, False, drafter=drafter if drafted else "",
-                   context=context, **samples)
+                   context=context, **fields)
     policy.costs.observe(round_)
     return policy.observe(round_)
 
@@ -278,6 +278,23 @@ def test_a_request_tries_prompt_lookup_itself_before_a_poor_server_prior_rules_i
         if policy._drafted(PROMPT_LOOKUP) >= 24:
             break
     assert chosen == PROMPT_LOOKUP and k == 8  # its own evidence now rules: long windows
+
+
+def test_where_the_draft_model_is_preferred_prompt_lookup_earns_its_rounds_on_scored_evidence():
+    """A warm draft model is preferred (candidates' order): prompt lookup is not
+    tried on a round of its own on a poor server prior, but each round the draft
+    model drafts scores lookup's proposal against the target's tokens, and once
+    that evidence says the text copies, lookup drafts."""
+    costs = measured_costs(draft=0.2)
+    for _ in range(50):
+        costs.observe_acceptance(4, rejected=True, drafter=DRAFT_MODEL)
+        costs.observe_acceptance(0, rejected=True, drafter=PROMPT_LOOKUP)
+    policy = SpeculationPolicy(8, 0.3, costs=costs, first_round_plain=False)
+    assert policy.plan(0, (DRAFT_MODEL, PROMPT_LOOKUP))[0] == DRAFT_MODEL
+    for _ in range(3):  # the draft model's rounds; lookup would have had every emitted token right
+        play(policy, 4, 4, alternatives=((PROMPT_LOOKUP, 5, False),))
+    assert policy.plan(0, (DRAFT_MODEL, PROMPT_LOOKUP)) == (PROMPT_LOOKUP, 8)
+    assert policy._rounds == 3  # evidence, not rounds
 
 
 def test_a_free_drafter_predicted_not_to_pay_probes_every_probe_interval_offers():
