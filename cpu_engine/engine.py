@@ -153,6 +153,7 @@ class CausalLMEngine:
                           else RowShape(floor=1, budget=max_num_tokens))
         self.scheduler = Scheduler(self.row_shape.capacity)
         self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
+        self.forwards = 0  # forward passes run so far
         release_free_heap()
 
     def bind_thread(self) -> None:
@@ -264,6 +265,7 @@ class CausalLMEngine:
             ids += [0] * (total - real)
             positions += [0] * (total - real)
         self.last_forward = (len(works), real)
+        self.forwards += 1
         with attention.packed(segments):
             hidden = self.model.model(
                 input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),

@@ -125,7 +125,7 @@ class TritonPythonModel:
                     _send_error(sender, f"{self.name}: {error}")
                     continue
                 self._senders[id(call)] = (sender, streaming)
-            started = time.monotonic()
+            started, forwards = time.monotonic(), self.engine.forwards
             try:
                 done = self.engine.step()
             except Exception as error:  # outside a forward: fail what is in flight, keep the thread alive
@@ -135,7 +135,7 @@ class TritonPythonModel:
             for call in done:
                 self._answer(call)
             returning = len(done)
-            self._report()
+            self._report(self.engine.forwards - forwards, forward_seconds)
 
     def _stream(self, call, tokens) -> None:
         """A streaming call's new tokens; the last step's go out with the final flag (``_answer``),
@@ -159,9 +159,13 @@ class TritonPythonModel:
             tokens, logits = tokens[streamed:], None
         _send(sender, tokens, logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _report(self) -> None:
+    def _report(self, forwards: int = 0, seconds: float = 0.0) -> None:
+        """Update the metrics after a step that ran ``forwards`` forwards in ``seconds``."""
         if self._gauges is not None:
             gauges = self._gauges[0]
+            if forwards:
+                gauges["forwards"].increment(forwards)
+                gauges["forward_seconds"].increment(seconds)
             gauges["cached_sequences"].set(len(self.engine.pool))
             gauges["cached_tokens"].set(self.engine.pool.cached_tokens)
             sequences, rows = self.engine.last_forward
@@ -209,14 +213,25 @@ ENGINE_GAUGES = {
     "batch_rows": ("specdec_engine_batch_rows", "Rows of work (tokens) in the CPU engine's latest forward"),
     "running_calls": ("specdec_engine_running_calls", "Calls in flight in the CPU engine (prefilling or decoding)"),
 }
+# Counters: what the forwards themselves took, so a client can tell the serving
+# stack's share of a request's time from the model's (specdec-compare does).
+ENGINE_COUNTERS = {
+    "forwards": ("specdec_engine_forwards_total", "Forward passes the CPU engine ran"),
+    "forward_seconds": ("specdec_engine_forward_seconds_total",
+                        "Seconds the CPU engine spent in steps that ran a forward (the forward, then sampling or "
+                        "verifying its rows)"),
+}
 
 
 def _engine_gauges(model_name: str):
-    """The engine's gauges on Triton's metrics port, labelled by model: the
-    KV-cache pool and the in-flight batch. None when metrics are off."""
+    """The engine's metrics on Triton's metrics port, labelled by model: the
+    KV-cache pool, the in-flight batch and the time in forwards. None when
+    metrics are off."""
     try:
-        families = {key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
-                    for key, (name, text) in ENGINE_GAUGES.items()}
+        families = {key: pb_utils.MetricFamily(name=name, description=text, kind=kind)
+                    for table, kind in ((ENGINE_GAUGES, pb_utils.MetricFamily.GAUGE),
+                                        (ENGINE_COUNTERS, pb_utils.MetricFamily.COUNTER))
+                    for key, (name, text) in table.items()}
     except Exception as error:  # metrics disabled or unsupported: serve without them
         log.warning("%s: no engine metrics: %s", model_name, error)
         return None

@@ -1,11 +1,16 @@
 """specdec-compare's pure parts: held-out prompt sets, ratios, identity, the table."""
 
+import argparse
+
+import pytest
+
 from tools.compare import (
     ASSISTED,
     ENGINE,
     PLAIN_GENERATE,
     Measurement,
     format_table,
+    parse_modes,
     summarise,
 )
 from tools.prompts import copy_prompts, held_out_prompts
@@ -111,3 +116,22 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
     assert sent == ["plain", "adaptive", "fixed", "adaptive", "fixed", "plain", "fixed", "plain", "adaptive"]
     assert [m.system for m in runs] == ["server plain", "server adaptive", "server fixed"]
     assert all(m.requests == 3 and m.completion_tokens == 24 and m.seconds > 0 for m in runs)
+
+
+def test_modes_are_checked_and_plain_always_runs_first():
+    assert parse_modes("adaptive,draft_model") == ("plain", "adaptive", "draft_model")
+    assert parse_modes("draft_model, plain,draft_model") == ("plain", "draft_model")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown mode 'eagle'; modes: plain, adaptive"):
+        parse_modes("adaptive,eagle")
+
+
+def test_the_serving_stacks_time_per_round_is_what_the_engines_forwards_do_not_explain():
+    m = Measurement("server plain", 150, 1)
+    assert m.overhead_per_round is None  # not metered
+    # 10 s of requests, 40 rounds; the target's 40 forwards took 8 s (0.2 s each), the draft's 1 s
+    m.metered_seconds, m.rounds = 10.0, 40
+    m.forwards, m.forward_seconds = {"target": 40, "draft": 20}, {"target": 8.0, "draft": 1.0}
+    assert abs(m.overhead_per_round - (1.0 / 40) / 0.2) < 1e-12  # 25 ms a round = 12.5 % of a forward
+    row = summarise([m], [])["rows"][0]
+    assert row["overhead_per_round_in_target_forwards"] == m.overhead_per_round
+    assert "server plain humaneval 150 12.5%" in format_table(summarise([m], []))

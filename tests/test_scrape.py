@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.scrape import engine_cached_tokens, metric_samples, metric_value
+from tools.scrape import engine_cached_tokens, engine_forward_time, metric_samples, metric_value
 
 # As Triton exports them (python-backend custom metrics next to Triton's own).
 EXPOSITION = """\
@@ -20,6 +20,14 @@ specdec_requests_total{outcome="cancelled"} 2
 # TYPE specdec_engine_cached_tokens gauge
 specdec_engine_cached_tokens{model="target"} 1536
 specdec_engine_cached_tokens{model="draft"} 1472
+# HELP specdec_engine_forwards_total Forward passes the CPU engine ran
+# TYPE specdec_engine_forwards_total counter
+specdec_engine_forwards_total{model="target"} 120
+specdec_engine_forwards_total{model="draft"} 300
+# HELP specdec_engine_forward_seconds_total Seconds the CPU engine spent in steps that ran a forward
+# TYPE specdec_engine_forward_seconds_total counter
+specdec_engine_forward_seconds_total{model="target"} 24.5
+specdec_engine_forward_seconds_total{model="draft"} 9.25
 """
 
 
@@ -39,3 +47,8 @@ def test_a_metric_the_server_does_not_export_is_an_error():
 def test_engine_pool_sizes_by_model():
     assert engine_cached_tokens(EXPOSITION) == {"target": 1536, "draft": 1472}
     assert engine_cached_tokens("") == {}
+
+
+def test_engine_forward_time_by_model():
+    assert engine_forward_time(EXPOSITION) == {"target": (120, 24.5), "draft": (300, 9.25)}
+    assert engine_forward_time("") == {}  # engines without the counters (the trtllm profile)

@@ -67,6 +67,24 @@ class Measurement:
     accepted: int = 0
     texts: dict[str, str] = field(default_factory=dict)  # prompt id -> text (the first completion's)
     fallbacks: dict[str, int] = field(default_factory=dict)  # why requests stopped speculating -> how many
+    # What the engines report for the same requests (one stream, CPU profile): forward passes
+    # and their seconds by model, over ``metered_seconds`` of the requests' wall time.
+    forwards: dict[str, int] = field(default_factory=dict)
+    forward_seconds: dict[str, float] = field(default_factory=dict)
+    metered_seconds: float = 0.0
+    rounds: int = 0  # of the metered requests: speculative rounds plus plain steps
+
+    @property
+    def overhead_per_round(self) -> float | None:
+        """The serving stack's time per round (request wall time not spent in an engine's
+        forward, over the rounds) in target forwards: coordinator, Triton, BLS, gRPC and the
+        client. Where the draft's background prefill overlaps the target's forwards this is
+        a lower bound; plain decoding has no draft."""
+        target_forwards, target_seconds = self.forwards.get("target", 0), self.forward_seconds.get("target", 0.0)
+        if not self.rounds or not target_forwards or not target_seconds:
+            return None
+        outside = self.metered_seconds - sum(self.forward_seconds.values())
+        return outside / self.rounds / (target_seconds / target_forwards)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -195,12 +213,13 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
 
 
 def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_tokens: int, fixed_window: int,
-                   length: int, prompt_set: str = HUMANEVAL) -> list[Measurement]:
+                   length: int, prompt_set: str = HUMANEVAL, metrics_url: str | None = None) -> list[Measurement]:
     """Every mode on every prompt, one request at a time, the modes' order turned
     by one from prompt to prompt: run mode after mode, the first would always meet
     the server's least-learnt estimates and the last the most. Each mode's seconds
     are its own requests' wall time; each request's prompt starts with a line of
-    its own, so none reuses the KV cache of another."""
+    its own, so none reuses the KV cache of another. With ``metrics_url``, the
+    engines' forward counters are read around each request (Measurement.overhead_per_round)."""
     import tritonclient.grpc as grpcclient
 
     from tools.client import stream_completion
@@ -212,13 +231,39 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
                 turned = list(modes[step % len(modes):]) + list(modes[:step % len(modes)])
                 for mode in turned:
                     text = f"# {mode} {length} 1.{step}\n{prompt.text}"
+                    before = _forward_time(metrics_url)
                     started = time.perf_counter()
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
-                    measurements[mode].seconds += time.perf_counter() - started
+                    seconds = time.perf_counter() - started
+                    measurements[mode].seconds += seconds
                     _record(measurements[mode], prompt, completion)
+                    _meter(measurements[mode], before, _forward_time(metrics_url), seconds, completion)
     except Exception as error:  # noqa: BLE001 - reported as the run's error
         raise BenchError(f"server at one stream: {error}") from error
     return [measurements[mode] for mode in modes]
+
+
+def _forward_time(metrics_url: str | None) -> dict[str, tuple[int, float]]:
+    """The engines' forward counters now (empty without a metrics port or engine counters)."""
+    from tools.scrape import engine_forward_time, fetch_metrics
+
+    if not metrics_url:
+        return {}
+    try:
+        return engine_forward_time(fetch_metrics(metrics_url))
+    except OSError:
+        return {}
+
+
+def _meter(measurement: Measurement, before: dict, after: dict, seconds: float, completion) -> None:
+    if not before or before.keys() != after.keys():
+        return
+    for model in after:
+        measurement.forwards[model] = measurement.forwards.get(model, 0) + after[model][0] - before[model][0]
+        measurement.forward_seconds[model] = (measurement.forward_seconds.get(model, 0.0)
+                                              + after[model][1] - before[model][1])
+    measurement.metered_seconds += seconds
+    measurement.rounds += completion.speculative_rounds + completion.plain_rounds
 
 
 def _record(measurement: Measurement, prompt: Prompt, completion) -> None:
@@ -266,6 +311,7 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
                                            if plain is not None and m.p50_first_text and plain.p50_first_text
                                            else None),
             "acceptance": m.accepted / m.drafted if m.drafted else None,
+            "overhead_per_round_in_target_forwards": m.overhead_per_round,
         }
         rows.append(row)
     for m in identity[1:]:
@@ -304,6 +350,13 @@ def format_table(summary: dict) -> str:
             f"{_fmt(r['acceptance'])} |")
     notes = ["serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
              + ", ".join(f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead"].items())]
+    metered = [r for r in summary["rows"] if r.get("overhead_per_round_in_target_forwards") is not None]
+    if metered:
+        notes.append("serving stack's time per round (request wall time outside the engines' forwards, per "
+                     "round, over one target forward; a lower bound where the draft's background prefill overlaps "
+                     "the target's forwards): " + ", ".join(
+                         f"{r['system']} {r['prompt_set']} {r['prompt_tokens']} "
+                         f"{r['overhead_per_round_in_target_forwards']:.1%}" for r in metered))
     notes += [f"MISMATCH: {m['system']} at {m['concurrency']} streams differs from server plain on {m['prompt']}"
               for m in summary["mismatches"]]
     if not summary["mismatches"]:
@@ -368,6 +421,16 @@ def machine() -> str:
 
 # -- command line --------------------------------------------------------------------
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    """The server modes named, plain first (it is every ratio's and the identity check's reference)."""
+    known = SERVER_MODES + DRAFTER_MODES
+    named = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in named if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode {unknown[0]!r}; modes: {', '.join(known)}")
+    return ("plain", *dict.fromkeys(name for name in named if name != "plain"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-compare", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      epilog="Start the server first (`make serve`). Exit status: 0 ok, 1 a "
@@ -389,7 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="before each server run at more than one stream, the same load for this long, "
                         "unmeasured: a server in service has measured its load (default 45: the load governor "
                         "measures each regime for two 10 s epochs)")
+    parser.add_argument("--metrics-url", default="http://localhost:8002/metrics",
+                        help="the server's metrics; one-stream runs read the engines' forward counters around each "
+                        "request to report the serving stack's time per round ('' to skip; default %(default)s)")
     parser.add_argument("--skip-peers", action="store_true", help="only the server runs")
+    parser.add_argument("--modes", type=parse_modes, default=SERVER_MODES + DRAFTER_MODES, metavar="M,M,...",
+                        help=f"server modes to run (default {','.join(SERVER_MODES + DRAFTER_MODES)}; adaptive is "
+                        "the server's defaults; plain always runs: every ratio and the identity check need it)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH", help="write the table (for the README's Measured section)")
@@ -428,17 +497,20 @@ def main(argv: list[str] | None = None) -> int:
                                       copy, CoordinatorSettings().speculation_window)
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
-        one_stream = [(HUMANEVAL, shortest, prompts[shortest], SERVER_MODES + DRAFTER_MODES)]
-        one_stream += [(HUMANEVAL, length, prompts[length], SERVER_MODES) for length in sorted(prompts)
+        modes = args.modes
+        server_modes = tuple(mode for mode in modes if mode in SERVER_MODES)  # the drafters alone: one stream
+        one_stream = [(HUMANEVAL, shortest, prompts[shortest], modes)]
+        one_stream += [(HUMANEVAL, length, prompts[length], server_modes) for length in sorted(prompts)
                        if length != shortest]
         if copy:
-            one_stream.append((COPY, copy_length(copy), copy, SERVER_MODES + DRAFTER_MODES))
-        for prompt_set, length, group, modes in one_stream:
-            for m in run_one_stream(args.url, modes, group, args.max_tokens, args.fixed_window, length, prompt_set):
+            one_stream.append((COPY, copy_length(copy), copy, modes))
+        for prompt_set, length, group, group_modes in one_stream:
+            for m in run_one_stream(args.url, group_modes, group, args.max_tokens, args.fixed_window, length,
+                                    prompt_set, metrics_url=args.metrics_url or None):
                 measurements.append(m)
                 progress(_progress_line(m))
         for concurrency in sorted(set(args.concurrency) - {1}):
-            for mode in SERVER_MODES:
+            for mode in server_modes:
                 if args.warmup_seconds > 0:  # the same load, unmeasured
                     run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
                                shortest, tag=f"warm-up {mode} {shortest} {concurrency}", seconds=args.warmup_seconds)
@@ -449,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         # Identity: the same prompts in every mode, in a crowd of the largest concurrency.
         crowd = max(args.concurrency)
         identity = [run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
-                               shortest) for mode in SERVER_MODES + DRAFTER_MODES]
-        progress(f"identity pass: {len(SERVER_MODES + DRAFTER_MODES)} modes, {crowd} streams")
+                               shortest) for mode in modes]
+        progress(f"identity pass: {len(modes)} modes, {crowd} streams")
     except (BenchError, PromptError) as error:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR

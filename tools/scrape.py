@@ -35,3 +35,12 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 def engine_cached_tokens(text: str) -> dict[str, int]:
     """Tokens held by each engine's KV-cache pool (gauge specdec_engine_cached_tokens, by model)."""
     return {found["model"]: int(value) for found, value in metric_samples(text, "specdec_engine_cached_tokens")}
+
+
+def engine_forward_time(text: str) -> dict[str, tuple[int, float]]:
+    """(forwards, seconds) each CPU engine has spent in forward passes so far, by model
+    (counters specdec_engine_forwards_total, specdec_engine_forward_seconds_total); empty
+    where the engines export none (the trtllm profile)."""
+    seconds = {found["model"]: value for found, value in metric_samples(text, "specdec_engine_forward_seconds_total")}
+    return {found["model"]: (int(value), seconds.get(found["model"], 0.0))
+            for found, value in metric_samples(text, "specdec_engine_forwards_total")}
