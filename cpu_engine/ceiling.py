@@ -116,16 +116,11 @@ def measured_forwards(model_dir: str, dtype: str, scheme: str, context: int, rep
     """Load a model as the engine does, find its row shape here, and time the
     forwards ``rows_needed`` asks for (median of ``repeats``: a decode loop
     meets the typical forward, not the luckiest)."""
-    from transformers import AutoModelForCausalLM
-
     from cpu_engine import attention
-    from cpu_engine.engine import DTYPES
-    from cpu_engine.measure import ForwardTimer
-    from cpu_engine.quantize import quantize_linear_layers
+    from cpu_engine.measure import ForwardTimer, load_model
     from cpu_engine.rows import measure_row_shape
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    quantize_linear_layers(model, scheme)
+    model = load_model(model_dir, dtype, scheme)
     shape = measure_row_shape(model, capacity, attention.BLOCK_ROWS)
     needed = {shape.rows(n) for n in rows_needed(Forwards(lambda n: 1.0, shape.capacity))}
     timer = ForwardTimer(model, context)

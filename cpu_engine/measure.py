@@ -45,6 +45,13 @@ class ForwardTimer:
         return elapsed * 1000
 
 
+def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int = DENSE_ROWS):
+    """The model as the engine loads it: ``dtype`` weights, linear layers quantized by ``scheme``."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    quantize_linear_layers(model, scheme, dense_rows=dense_rows)
+    return model
+
+
 def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
     """Best-of-``repeats`` time of one forward over ``new_tokens`` after ``context`` cached tokens."""
     timer = ForwardTimer(model, context)
@@ -81,9 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|" + "---|" * (len(counts) + 1))
 
     def load(model_dir, dtype, scheme):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-        quantize_linear_layers(model, scheme, dense_rows=args.dense_rows)
-        return ForwardTimer(model, args.context)
+        return ForwardTimer(load_model(model_dir, dtype, scheme, args.dense_rows), args.context)
 
     def report(variant, times):
         model_dir, dtype, scheme = variant
