@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast bench bench-modes loadtest soak tools clean-venv
+.PHONY: serve test test-fast bench bench-modes loadtest soak aiperf tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,36 @@ soak: $(STAMP)
 	$(VENV)/bin/specdec-soak --url $(SOAK_URL) --users $(SOAK_USERS) --duration $(SOAK_SECONDS) \
 		--json $(SOAK_JSON) $(SOAK_ARGS)
 
+# NVIDIA AIPerf against a running server (`make serve`), speculation on and
+# off (speculation_window 0) at each concurrency of AIPERF_CONCURRENCY, for
+# each endpoint of AIPERF_ENDPOINTS: template (Triton's generate_stream at
+# AIPERF_URL), chat and completions (the OpenAI-compatible frontend at
+# AIPERF_OPENAI_URL); AIPERF_REQUESTS requests per run. Writes every run's
+# AIPerf artifacts and the side-by-side table (markdown + JSON) into
+# AIPERF_DIR; exits non-zero if any request failed (specdec-aiperf --help).
+# AIPerf lives in its own virtualenv (requirements/aiperf.txt says why).
+# AIPERF_ARGS: more specdec-aiperf options; after `--`, options for aiperf itself.
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.deps-stamp
+AIPERF_URL ?= http://127.0.0.1:8000
+AIPERF_OPENAI_URL ?= http://127.0.0.1:9000
+AIPERF_ENDPOINTS ?= template,chat,completions
+AIPERF_CONCURRENCY ?= 1,2,4
+AIPERF_REQUESTS ?= 8
+AIPERF_OUTPUT_TOKENS ?= 64
+AIPERF_DIR ?= reports/aiperf
+AIPERF_ARGS ?=
+$(AIPERF_STAMP): requirements/aiperf.txt
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --upgrade --quiet pip
+	$(AIPERF_VENV)/bin/python -m pip install -r requirements/aiperf.txt
+	touch $@
+
+aiperf: $(STAMP) $(AIPERF_STAMP)
+	$(VENV)/bin/specdec-aiperf --aiperf $(AIPERF_VENV)/bin/aiperf --url $(AIPERF_URL) \
+		--openai-url $(AIPERF_OPENAI_URL) --endpoints $(AIPERF_ENDPOINTS) --concurrency $(AIPERF_CONCURRENCY) \
+		--requests $(AIPERF_REQUESTS) --output-tokens $(AIPERF_OUTPUT_TOKENS) --out $(AIPERF_DIR) $(AIPERF_ARGS)
+
 # Lint/check tools that are not Python packages (installed idempotently).
 tools:
 	@for script in .ci/tools/install-*.sh; do \
@@ -82,7 +112,7 @@ tools:
 		bash "$$script" || exit 1; \
 	done
 
-test: $(STAMP) tools
+test: $(STAMP) $(AIPERF_STAMP) tools
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests and offline checks only (no model download, no server).
