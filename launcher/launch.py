@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
-from launcher import assets, tritonserver
+from launcher import assets, openai_frontend, tritonserver
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
@@ -86,6 +86,7 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    openai_port: int = openai_frontend.DEFAULT_PORT  # the OpenAI-compatible frontend; 0: not started
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)  # appended to tritonserver's command line
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -202,6 +203,10 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
     parser.add_argument("--http-port", type=int, default=int(env.get("SPECDEC_HTTP_PORT", 8000)))
     parser.add_argument("--grpc-port", type=int, default=int(env.get("SPECDEC_GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(env.get("SPECDEC_METRICS_PORT", 8002)))
+    parser.add_argument("--openai-port", type=int,
+                        default=int(env.get(openai_frontend.PORT_VAR, openai_frontend.DEFAULT_PORT)),
+                        help="port of the OpenAI-compatible API, started next to Triton; 0: none "
+                             f"[{openai_frontend.PORT_VAR}, {openai_frontend.DEFAULT_PORT}]")
     parser.add_argument("--model-repository", type=Path,
                         default=Path(env.get("SPECDEC_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")))
     parser.add_argument("--log-verbose", type=int, default=0)
@@ -210,7 +215,7 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
     return ServerOptions(
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+        metrics_port=args.metrics_port, openai_port=args.openai_port, log_verbose=args.log_verbose,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
         admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
     )
@@ -226,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"specdec: starting tritonserver (target {pair.target_dir.name}, draft {pair.draft_dir.name})", flush=True)
     process = start(options, pair)
+    children = [process]
+    stopping = False
 
     def forward(signum, _frame):
-        process.send_signal(signum)
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -239,9 +250,23 @@ def main(argv: list[str] | None = None) -> int:
         process.terminate()
         process.wait()
         return 1
+    openai = ""
+    if options.openai_port:
+        url = openai_frontend.base_url(options.address, options.openai_port)
+        frontend = openai_frontend.start(f"{_local(options.address)}:{options.grpc_port}", pair.target_dir,
+                                         options.address, options.openai_port, secret_vars=(ADMIN_KEY_VAR,))
+        children.append(frontend)
+        try:
+            openai_frontend.wait_until_ready(frontend, url)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"specdec-serve: {error}", file=sys.stderr)
+            for child in reversed(children):
+                openai_frontend.stop(child)
+            return 1
+        openai = f", OpenAI http://{options.address}:{options.openai_port}/v1"
     print(
         f"specdec: ready - gRPC {options.address}:{options.grpc_port}, HTTP {options.address}:{options.http_port}, "
-        f"metrics {options.address}:{options.metrics_port} - try: "
+        f"metrics {options.address}:{options.metrics_port}{openai} - try: "
         f".venv/bin/specdec-client --url localhost:{options.grpc_port} 'def fibonacci(n):'",
         flush=True,
     )
@@ -249,7 +274,29 @@ def main(argv: list[str] | None = None) -> int:
                   else f"a random key made for this run and shown nowhere (set {ADMIN_KEY_VAR} to choose one)")
     print(f"specdec: admin APIs ({', '.join(RESTRICTED_APIS)}) need header {ADMIN_KEY_HEADER} (HTTP) or "
           f"{GRPC_ADMIN_KEY_HEADER} (gRPC) with {key_source}", flush=True)
-    return process.wait()
+    return _supervise(process, children[1:], lambda: stopping)
+
+
+def _local(address: str) -> str:
+    return "127.0.0.1" if address in ("0.0.0.0", "") else address
+
+
+def _supervise(process: subprocess.Popen, others: list[subprocess.Popen], stopping) -> int:
+    """Run until tritonserver exits, then stop the others; one of them exiting
+    on its own (not on a signal) stops tritonserver: a server whose OpenAI port
+    died would look healthy to probes that only ask Triton."""
+    while process.poll() is None:
+        for child in others:
+            if child.poll() is not None and not stopping():
+                print(f"specdec-serve: the OpenAI frontend exited with code {child.returncode}; "
+                      "stopping tritonserver", file=sys.stderr, flush=True)
+                process.terminate()
+                process.wait()
+                return child.returncode or 1
+        time.sleep(0.5)
+    for child in others:
+        openai_frontend.stop(child)
+    return process.returncode
 
 
 if __name__ == "__main__":

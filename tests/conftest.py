@@ -127,3 +127,28 @@ def triton_server(tmp_path_factory) -> ServerAddress:
             draft_deadline=_configured_draft_deadline(),
             log_path=log_path,
         )
+
+
+@pytest.fixture(scope="session")
+def openai_frontend(triton_server, real_target_dir, tmp_path_factory) -> str:
+    """The OpenAI-compatible API (frontend/openai_server.py) in front of
+    ``triton_server``, started as specdec-serve starts it, on a free port; its
+    base URL (``http://127.0.0.1:<port>/v1``, what OpenAI clients take)."""
+    from launcher import openai_frontend as frontend
+    from launcher.launch import ADMIN_KEY_VAR
+
+    port = free_port()
+    log_path = Path(tmp_path_factory.mktemp("openai")) / "frontend.log"
+    with open(log_path, "wb") as log:
+        process = frontend.start(triton_server.grpc_url, real_target_dir, "127.0.0.1", port,
+                                 secret_vars=(ADMIN_KEY_VAR,), stdout=log, stderr=log)
+    url = frontend.base_url("127.0.0.1", port)
+    try:
+        try:
+            frontend.wait_until_ready(process, url, timeout=300)
+        except Exception:
+            print(log_path.read_text(errors="replace")[-5000:])
+            raise
+        yield f"{url}/v1"
+    finally:
+        frontend.stop(process)
