@@ -1,7 +1,9 @@
 """Smoke run of the AIPerf sweep (``specdec-aiperf``, ``make aiperf``) with the
 real AIPerf of ``.venv-aiperf`` against the session's real tritonserver: 3
-requests at concurrency 1 of 16 tokens, speculation on and off. Zero errors,
-one side-by-side row, and the off run's requests carry ``speculation_window`` 0."""
+requests at concurrency 1 of 16 tokens, speculation on and off, over Triton's
+generate_stream and over the OpenAI frontend's chat completions. Zero errors,
+one side-by-side row, and the off run's requests carry ``speculation_window`` 0.
+(The sweep's completions endpoint differs from chat only in AIPerf's payload.)"""
 
 from __future__ import annotations
 
@@ -58,3 +60,9 @@ def check_rows(report: dict, endpoint: str) -> None:
 def test_aiperf_template_endpoint_smoke_run(triton_server, real_target_dir, tmp_path):
     report = run_sweep(tmp_path, real_target_dir, "--endpoints", "template", "--url", triton_server.http_url)
     check_rows(report, "template")
+
+
+@pytest.mark.slow
+def test_aiperf_openai_chat_endpoint_smoke_run(openai_frontend, real_target_dir, tmp_path):
+    report = run_sweep(tmp_path, real_target_dir, "--endpoints", "chat", "--openai-url", openai_frontend)
+    check_rows(report, "chat")

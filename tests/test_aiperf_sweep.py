@@ -5,6 +5,7 @@ and one where a request was refused), and the command lines the driver builds.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -136,7 +137,14 @@ def test_the_template_command_streams_from_tritons_generate_extension(tmp_path):
     assert _option(command, "--concurrency") == "2" and _option(command, "--request-count") == "3"
     assert _option(command, "--prompt-output-tokens-mean") == "16" and _option(command, "--random-seed") == "7"
     assert _option(command, "--output-artifact-dir") == str(tmp_path / "template-off")
-    assert command[-2:] == ["--warmup-request-count", "1"]
+    assert command[-2:] == ["--warmup-request-count", "1"] and "--no-server-metrics" in command
+
+
+def test_server_metrics_asked_for_after_the_double_dash_are_not_switched_off(tmp_path):
+    plan = aiperf_sweep.Plan("template", 1, "on", 1, tmp_path)
+    extra = ["--server-metrics", "http://127.0.0.1:8002/metrics"]
+    command = aiperf_sweep.aiperf_command("aiperf", plan, SETTINGS, extra)
+    assert "--no-server-metrics" not in command and command[-2:] == extra
 
 
 def test_openai_commands_carry_only_the_speculation_switch(tmp_path):
@@ -146,6 +154,13 @@ def test_openai_commands_carry_only_the_speculation_switch(tmp_path):
         assert "--endpoint" not in off
         assert json.loads(_option(off, "--extra-inputs")) == {"speculation_window": 0}
         assert "--extra-inputs" not in _command(endpoint, "on", tmp_path)
+
+
+def test_an_openai_base_url_with_v1_is_taken_as_openai_clients_take_it(tmp_path):
+    plan = aiperf_sweep.Plan("chat", 1, "on", 1, tmp_path)
+    for url in ("http://127.0.0.1:9000/v1", "http://127.0.0.1:9000/v1/", "http://127.0.0.1:9000"):
+        settings = dataclasses.replace(SETTINGS, openai_url=url)
+        assert _option(aiperf_sweep.aiperf_command("aiperf", plan, settings), "--url") == "http://127.0.0.1:9000"
 
 
 def test_every_run_has_its_own_seed_and_directory(tmp_path):

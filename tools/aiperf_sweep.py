@@ -104,13 +104,19 @@ def extra_inputs(endpoint: str, mode: str) -> dict:
     return extra
 
 
+def openai_base(url: str) -> str:
+    """AIPerf appends ``/v1/chat/completions`` itself; OpenAI clients take the URL with ``/v1``: both work."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def aiperf_command(aiperf: str, plan: Plan, settings: Settings, extra_args=()) -> list[str]:
     """The ``aiperf profile`` command line of one run."""
     command = [aiperf, "profile", "--model", settings.model, "--endpoint-type", plan.endpoint, "--streaming"]
     if plan.endpoint == "template":
         command += ["--url", settings.triton_url, "--endpoint", TEMPLATE_PATH]
     else:
-        command += ["--url", settings.openai_url]
+        command += ["--url", openai_base(settings.openai_url)]
     extra = extra_inputs(plan.endpoint, plan.mode)
     if extra:
         # The JSON form: the key:value form splits its value at commas (a template has them).
@@ -125,10 +131,13 @@ def aiperf_command(aiperf: str, plan: Plan, settings: Settings, extra_args=()) -
         "--random-seed", str(plan.seed),
         "--request-timeout-seconds", f"{settings.request_timeout:g}",
         "--output-artifact-dir", str(plan.artifact_dir),
-        # Triton's metrics are on another port, and there is no GPU to watch on the cpu profile.
-        "--no-server-metrics", "--no-gpu-telemetry",
+        "--no-gpu-telemetry",  # no GPU on the cpu profile; pass --gpu-telemetry after -- for the trtllm one
         "--ui-type", "none",
     ]
+    if "--server-metrics" not in extra_args:
+        # AIPerf looks for them at the endpoint's URL + /metrics; Triton serves them on
+        # its own port (after --: --server-metrics http://HOST:8002/metrics).
+        command.append("--no-server-metrics")
     return command + list(extra_args)
 
 
