@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Entry point of the trtllm-profile image: checks the mounted engines, then starts
-# Triton with the trtllm configs (model_repository/<model>/configs/trtllm.pbtxt).
+# Triton with the trtllm configs (model_repository/<model>/configs/trtllm.pbtxt)
+# and, next to it, the OpenAI-compatible API (frontend/) on SPECDEC_OPENAI_PORT
+# (9000; 0 = none), as specdec-serve does in the cpu profile.
 #
 # Engines are mounted at ${SPECDEC_ENGINE_DIR} (default /opt/specdec/engines) as
 # written by docker/build_engines.sh: target/, draft/, tokenizer/, build-info.json.
@@ -10,6 +12,7 @@ set -euo pipefail
 ENGINE_DIR="${SPECDEC_ENGINE_DIR:-/opt/specdec/engines}"
 MODEL_REPOSITORY="${SPECDEC_MODEL_REPOSITORY:-/opt/specdec/model_repository}"
 export SPECDEC_TOKENIZER_DIR="${SPECDEC_TOKENIZER_DIR:-${ENGINE_DIR}/tokenizer}"
+OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
 
 die() {
     echo "specdec-trtllm: error: $*" >&2
@@ -36,6 +39,9 @@ for file in tokenizer.json special_tokens.json; do
     [ -f "${SPECDEC_TOKENIZER_DIR}/${file}" ] \
         || die "no ${file} in ${SPECDEC_TOKENIZER_DIR} (written by docker/build_engines.sh)"
 done
+case "${OPENAI_PORT}" in
+    "" | *[!0-9]*) die "SPECDEC_OPENAI_PORT must be a port number (0: no OpenAI API), got '${OPENAI_PORT}'" ;;
+esac
 
 # Engines load only in the TensorRT-LLM release that built them; a post-release
 # or local build of that release (0.17.0.post1, 0.17.0+local) counts as the same.
@@ -93,7 +99,20 @@ for ((gpu = 0; gpu < gpu_count; gpu++)); do
     cuda_pools+=("--cuda-memory-pool-byte-size=${gpu}:0")
 done
 
-exec mpirun --allow-run-as-root -n 1 \
+# tritonserver and the OpenAI frontend run side by side; a signal goes to both
+# (Triton drains in-flight streams, uvicorn finishes its open responses), and
+# whichever exits first stops the other: a pod whose OpenAI port died would
+# otherwise pass the probes, which ask Triton.
+children=()
+stop_children() {
+    local pid
+    for pid in "${children[@]}"; do
+        kill -TERM "${pid}" 2>/dev/null || true
+    done
+}
+trap stop_children TERM INT
+
+mpirun --allow-run-as-root -n 1 \
     tritonserver \
     --model-repository="${MODEL_REPOSITORY}" \
     --model-config-name=trtllm \
@@ -108,4 +127,19 @@ exec mpirun --allow-run-as-root -n 1 \
     --enable-peer-access=false \
     "${cuda_pools[@]}" \
     --backend-config=python,shm-region-prefix-name=specdec_ \
-    "$@"
+    "$@" &
+children+=("$!")
+
+# The tokenizer directory build_engines.sh wrote holds the chat template too;
+# the frontend listens once the coordinator is ready (engines load for minutes).
+if [ "${OPENAI_PORT}" != "0" ]; then
+    python3 -m frontend.openai_server --host 0.0.0.0 --port "${OPENAI_PORT}" --grpc-url 127.0.0.1:8001 \
+        --tokenizer-dir "${SPECDEC_TOKENIZER_DIR}" --wait-for-server 3600 &
+    children+=("$!")
+fi
+
+status=0
+wait -n || status=$?
+stop_children
+wait || true
+exit "${status}"

@@ -473,7 +473,7 @@ def test_entrypoint_refuses_another_release(tmp_path, built, installed):
 def test_entrypoint_runs_the_release_check():
     text = ENTRYPOINT.read_text()
     assert 'check_engine_release "${ENGINE_DIR}/build-info.json"' in text
-    assert text.index("check_engine_release \"${ENGINE_DIR}") < text.index("exec mpirun")
+    assert text.index("check_engine_release \"${ENGINE_DIR}") < text.index("\nmpirun --allow-run-as-root")
 
 
 # ---- the image build checks the base image by the same rule -------------------------

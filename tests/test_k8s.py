@@ -273,7 +273,7 @@ def test_server_ports_and_probes(overlay):
     spec = pod_spec(deployment(render(f"overlays/{overlay}")))
     triton = container(spec, "triton")
     ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
     expected = {
         "startupProbe": "/v2/health/ready",
         "readinessProbe": "/v2/health/ready",
@@ -385,7 +385,8 @@ def test_selectors_match_the_server_pods(overlay):
     assert SERVER_LABELS.items() <= labels.items()
     service = one(docs, "Service", "triton-specdec")
     assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002,
+                                                                        "openai": 9000}
     assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"], labels)
     monitor = one(docs, "PodMonitor")
     assert selects(monitor["spec"]["selector"], labels)
@@ -394,7 +395,7 @@ def test_selectors_match_the_server_pods(overlay):
     policy = one(docs, "NetworkPolicy", "triton-specdec")
     assert selects(policy["spec"]["podSelector"], labels)
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {"http", "grpc", "metrics"}
+    assert allowed == {"http", "grpc", "metrics", "openai"}
     deny = one(docs, "NetworkPolicy", "default-deny")
     assert deny["spec"]["podSelector"] == {} and set(deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -61,3 +62,69 @@ def test_waiting_for_a_frontend_that_exits_fails_fast():
     process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     with pytest.raises(RuntimeError, match="exited with code 1"):
         openai_frontend.wait_until_ready(process, "http://127.0.0.1:9", timeout=30)
+
+
+# ------------------------------------------- the trtllm image's entrypoint ----
+
+ENTRYPOINT = Path(__file__).resolve().parents[1] / "docker" / "trtllm-entrypoint.sh"
+FAKE = """#!/bin/bash
+echo "{name} $*" >> "$LOG"
+sleep "${{{var}_SECONDS:-30}}" > /dev/null 2>&1 &
+trap 'echo "{name} stopped" >> "$LOG"; kill $!; exit 0' TERM
+wait $!
+exit "${{{var}_EXIT:-0}}"
+"""
+
+
+def entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[list[str], dict, Path]:
+    """The entrypoint from where it starts its processes, with fake mpirun and
+    python3 that log their command lines and the signals they get."""
+    text = ENTRYPOINT.read_text()
+    tail = text[text.index("children=()"):]
+    program = ('restricted=x; MODEL_REPOSITORY=/models; cuda_pools=(); SPECDEC_TOKENIZER_DIR=/engines/tokenizer; '
+               f'OPENAI_PORT={openai_port}\n' + tail)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, var in (("mpirun", "TRITON"), ("python3", "FRONTEND")):
+        (bin_dir / name).write_text(FAKE.format(name=name, var=var))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    log.touch()
+    return ["bash", "-euo", "pipefail", "-c", program], {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), **env}, log
+
+
+def run_entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[int, str]:
+    command, environment, log = entrypoint_tail(tmp_path, openai_port, **env)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60, env=environment)
+    return run.returncode, log.read_text()
+
+
+def test_the_trtllm_entrypoint_starts_the_frontend_next_to_triton_and_stops_triton_when_it_dies(tmp_path):
+    code, log = run_entrypoint_tail(tmp_path, "9000", FRONTEND_SECONDS="0.5", FRONTEND_EXIT="3")
+    assert code == 3
+    frontend = next(line for line in log.splitlines() if line.startswith("python3 "))
+    assert frontend.split()[1:5] == ["-m", "frontend.openai_server", "--host", "0.0.0.0"]
+    assert "--port 9000 --grpc-url 127.0.0.1:8001 --tokenizer-dir /engines/tokenizer" in frontend
+    assert "mpirun stopped" in log
+
+
+def test_the_trtllm_entrypoint_stops_the_frontend_with_triton(tmp_path):
+    code, log = run_entrypoint_tail(tmp_path, "9000", TRITON_SECONDS="0.5", TRITON_EXIT="0")
+    assert code == 0 and "python3 stopped" in log
+
+
+def test_the_trtllm_entrypoint_without_an_openai_port_runs_triton_alone(tmp_path):
+    code, log = run_entrypoint_tail(tmp_path, "0", TRITON_SECONDS="0.2", TRITON_EXIT="4")
+    assert code == 4 and "python3" not in log and log.startswith("mpirun ")
+
+
+def test_a_signal_to_the_trtllm_entrypoint_reaches_both(tmp_path):
+    command, environment, log = entrypoint_tail(tmp_path, "9000")
+    process = subprocess.Popen(command, env=environment)
+    deadline = time.monotonic() + 30
+    while log.read_text().count("\n") < 2:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) != 0
+    assert {"mpirun stopped", "python3 stopped"} <= set(log.read_text().splitlines())
