@@ -110,7 +110,7 @@ def test_the_same_endpoint_concurrency_and_mode_twice_is_refused(export):
 
 
 SETTINGS = aiperf_sweep.Settings("http://127.0.0.1:8000", "http://127.0.0.1:9000", "coordinator", "/tok", 3, 64, 16,
-                                 1, 600)
+                                 600)
 
 
 def _command(endpoint: str, mode: str, tmp_path: Path) -> list[str]:

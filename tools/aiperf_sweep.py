@@ -62,7 +62,6 @@ class Settings:
     requests: int
     input_tokens: int
     output_tokens: int
-    seed: int
     request_timeout: float
 
 
@@ -258,7 +257,7 @@ def check_setup(options) -> None:
 def sweep(options) -> tuple[list[Run], list[dict]]:
     """Every planned run, one after the other; returns the runs and what was run."""
     settings = Settings(options.url, options.openai_url, options.model, options.tokenizer, options.requests,
-                        options.input_tokens, options.output_tokens, options.seed, options.request_timeout)
+                        options.input_tokens, options.output_tokens, options.request_timeout)
     plans = plan_runs(options.endpoints, options.concurrency, options.modes, options.out.resolve(), options.seed)
     runs, log = [], []
     for index, plan in enumerate(plans, 1):
