@@ -350,3 +350,23 @@ def test_the_pure_modules_import_no_web_server_triton_or_torch():
             " 'grpc', 'transformers', 'torch'}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# ------------------------------------------------ the overhead command ----
+
+
+def test_overhead_reads_sse_and_compares_seconds_per_token():
+    from frontend.overhead import Timing, read_sse, summary
+
+    stream = [b'data: {"choices":[{"text":"a"}]}\n', b"\n", b'data: {"choices":[],"usage":{"completion_tokens":2}}\n',
+              b"\n", b"data: [DONE]\n", b'data: {"after": "done"}\n']
+    assert read_sse(stream) == [{"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 2}}]
+    grpc = [Timing(1.0, 0.2, 10, "x"), Timing(3.0, 0.4, 30, "y")]
+    openai = [Timing(1.1, 0.25, 10, "x"), Timing(3.3, 0.45, 30, "z")]
+    result = summary(grpc, openai)
+    assert result["grpc_ms_per_token"] == pytest.approx(100.0)
+    assert result["openai_ms_per_token"] == pytest.approx(110.0)
+    assert result["ratio"] == pytest.approx(1.1) and result["added_ms_per_token"] == pytest.approx(10.0)
+    assert result["grpc_first_chunk_ms"] == pytest.approx(300.0) and result["different_texts"] == 1
+    two_each = summary(grpc + grpc, [openai[0], openai[0], openai[1], openai[1]], per_prompt=2)
+    assert two_each["median_prompt_ratio"] == pytest.approx(1.1) and two_each["different_texts"] == 2
