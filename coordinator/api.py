@@ -30,6 +30,9 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("stop_words", "TYPE_STRING", (-1,), "strings that end the completion (not included)"),
     TensorSpec("stream", "TYPE_BOOL", (1,), "a response per chunk of text instead of one at the end"),
     TensorSpec("drafter", "TYPE_STRING", (1,), "who drafts: draft_model, prompt_lookup or hybrid"),
+    TensorSpec("end_id", "TYPE_INT32", (1,), "the token that ends the completion (default: the model's end tokens)"),
+    TensorSpec("use_draft_logits", "TYPE_BOOL", (1,),
+               "sampled requests: verify against the draft's distribution (false: by token matching)"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 

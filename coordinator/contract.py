@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 
 NUMPY_TYPES = {"TYPE_STRING": "object", "TYPE_INT32": "int32", "TYPE_UINT64": "uint64", "TYPE_FP32": "float32",
-               "TYPE_BOOL": "bool"}
+               "TYPE_FP16": "float16", "TYPE_BOOL": "bool"}
 WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32",
-              "TYPE_BOOL": "BOOL"}
+              "TYPE_FP16": "FP16", "TYPE_BOOL": "BOOL"}
 
 
 @dataclass(frozen=True)

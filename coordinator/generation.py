@@ -16,7 +16,7 @@ from coordinator.governor import LoadGovernor
 from coordinator.loop import Engine, speculative_decode, with_deadline
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
-from coordinator.request import GenerationRequest, check_context, check_prompt_size
+from coordinator.request import GenerationRequest, check_context, check_end_id, check_prompt_size
 from coordinator.rounds import Round
 from coordinator.text import CompletionText
 from coordinator.tokenizer import Codec
@@ -74,6 +74,7 @@ async def generate_text(
     check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
+    check_end_id(request.end_id, codec.vocab_size)
     costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
@@ -86,7 +87,7 @@ async def generate_text(
     )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
-    end_ids = codec.special.eos_token_ids
+    end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
     drafter = make_drafter(
         request.drafter or settings.drafter,
         model=lambda: ModelDrafter(draft, request.draft_sampling or request.sampling, tuple(end_ids),
@@ -105,6 +106,7 @@ async def generate_text(
         sampling=request.sampling,
         end_ids=end_ids,
         plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
+        draft_distribution=request.draft_distribution,
     )
     costs.streams += 1  # the load the cost model plans for
     try:

@@ -127,18 +127,22 @@ async def speculative_decode(
     clock: Callable[[], float] = time.perf_counter,
     draft_timeout: float | None = None,
     plain_stretch: int = 1,
+    draft_distribution: bool = True,
 ) -> AsyncIterator[Round]:
     """``drafter`` proposes the drafts (coordinator/drafters.py); without it, the
     ``draft`` engine does, sampling as ``draft_sampling`` (defaults to
     ``sampling``; another temperature stays lossless because the target is told q).
     ``draft_timeout``: seconds a draft engine call may take (None or 0: no deadline).
-    ``plain_stretch``: most tokens one plain call may generate (1: a call per token)."""
+    ``plain_stretch``: most tokens one plain call may generate (1: a call per token).
+    ``draft_distribution``: a sampled request's drafts are verified against the
+    draft's distribution q (rejection sampling); False: by token matching (also
+    lossless, usually fewer tokens accepted)."""
     if drafter is None:
         if draft is None:
             raise ValueError("speculative_decode needs a drafter or a draft engine")
         drafter = ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids), policy.max_window + 1,
                                deadline=lambda call: with_deadline(call, draft_timeout), clock=clock)
-    want_distribution = not sampling.greedy
+    want_distribution = draft_distribution and not sampling.greedy
     costs = policy.costs
     free_drafter = any(name in FREE_DRAFTERS for name in drafter.uses)
     context = list(prompt_ids)

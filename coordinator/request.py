@@ -46,6 +46,8 @@ class GenerationRequest:
     stop_words: tuple[str, ...] = ()
     stream: bool = False
     drafter: str = ""  # who drafts ("": the server's drafter)
+    end_id: int | None = None  # the token that ends the completion (None: the model's end tokens)
+    draft_distribution: bool = True  # sampled requests: verify against q (False: by token matching)
 
 
 def parse_request(
@@ -102,10 +104,16 @@ def parse_request(
     if drafter not in DRAFTERS:
         raise InputError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
 
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    end_id = _int_in_range(inputs, "end_id", -1, 0, 2**31 - 1)
+    end_id = None if end_id < 0 else end_id  # checked against the vocabulary where the tokenizer is known
+    draft_logits_value = _scalar(inputs, "use_draft_logits")
+    draft_distribution = True if draft_logits_value is None else bool(draft_logits_value)
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, end_id=end_id)
     draft_sampling = None
     if draft_temperature != temperature:
-        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed)
+        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                        end_id=end_id)
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -116,6 +124,8 @@ def parse_request(
         stop_words=stop_words,
         stream=stream,
         drafter=drafter,
+        end_id=end_id,
+        draft_distribution=draft_distribution,
     )
 
 
@@ -135,6 +145,11 @@ def check_context(prompt_tokens: int, max_tokens: int, settings: CoordinatorSett
             f"text_input is {prompt_tokens} tokens; with max_tokens {max_tokens} that exceeds the context limit "
             f"of {settings.max_context_tokens} tokens (shorten the prompt or lower max_tokens)"
         )
+
+
+def check_end_id(end_id: int | None, vocab_size: int) -> None:
+    if end_id is not None and not 0 <= end_id < vocab_size:
+        raise InputError(f"end_id must be a token id between 0 and {vocab_size - 1}, got {end_id}")
 
 
 def check_prompt_size(prompt_bytes: int, max_token_bytes: int, settings: CoordinatorSettings) -> None:

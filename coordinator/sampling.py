@@ -33,6 +33,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter; 1: greedy
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int = 0
+    end_id: int | None = None  # the engine's end token (None: the model's own)
 
     @property
     def greedy(self) -> bool:

@@ -19,9 +19,10 @@ GREEDY = SamplingParams()
 
 
 def run(prompt, max_new, draft, target, window=4, threshold=0.0, sampling=GREEDY, end_ids=(999,), policy=None,
-        draft_sampling=None, clock=None):
+        draft_sampling=None, clock=None, draft_distribution=True):
     policy = policy or SpeculationPolicy(window, threshold, adaptive=False, first_round_plain=False)
     extra = {"clock": clock} if clock else {}
+    extra["draft_distribution"] = draft_distribution
 
     async def collect():
         return [r async for r in speculative_decode(
@@ -63,6 +64,19 @@ def test_greedy_requests_send_no_draft_logits():
     target = ToyEngine()
     run([5], 20, ToyEngine(), target, window=4)
     assert target.received_draft_logits == []
+
+
+def test_a_sampled_request_can_be_verified_by_token_matching_instead():
+    """use_draft_logits false (NVIDIA's BLS input): no draft distribution is
+    sent; the target keeps its own samples, so the output is still the target's."""
+    sampling = SamplingParams(temperature=0.8, seed=77)
+    target = ToyEngine()
+    rounds, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), target, window=4, sampling=sampling,
+                    draft_distribution=False)
+    again, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=4, sampling=sampling,
+                   draft_distribution=False)
+    assert target.received_draft_logits == [] and sum(r.drafted for r in rounds) > 0
+    assert tokens_of(rounds) == tokens_of(again) and len(tokens_of(rounds)) == 30
 
 
 def test_a_perfect_draft_is_always_accepted_when_sampling():
