@@ -100,41 +100,47 @@ class BlsEngine:
                     yield new
 
     def _inputs(self, input_ids, max_new_tokens, sampling, **options) -> dict:
-        return engine_inputs(input_ids, max_new_tokens, sampling, end_id=self.special.end_id,
+        end_id = self.special.end_id if sampling.end_id is None else sampling.end_id
+        return engine_inputs(input_ids, max_new_tokens, sampling, end_id=end_id,
                              pad_id=self.special.pad_token_id, seed_input=self.seed_input, **options)
 
-    async def _responses(self, tensors: dict, return_logits: bool):
+    def _responses(self, tensors: dict, return_logits: bool):
         """The call's responses: one from a model that is not decoupled, a stream from one that is."""
         outputs = list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
-        request = pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
-            requested_output_names=outputs,
-        )
-        loop = asyncio.get_running_loop()
-        if self.decoupled:
-            stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+        return bls_responses(self.model_name, tensors, outputs, self.decoupled)
 
-            async def next_response():  # blocks until the engine answers: read off the event loop
-                return await loop.run_in_executor(_engine_calls, next, stream, None)
-        else:
-            single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
 
-            async def next_response():  # already here: no thread hop
-                return next(single, None)
+async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
+    """The responses of a BLS call to ``model_name`` (raises EngineError on an error response)."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
+        requested_output_names=list(outputs),
+    )
+    loop = asyncio.get_running_loop()
+    if decoupled:
+        stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+
+        async def next_response():  # blocks until the model answers: read off the event loop
+            return await loop.run_in_executor(_engine_calls, next, stream, None)
+    else:
+        single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
+
+        async def next_response():  # already here: no thread hop
+            return next(single, None)
+    try:
+        while (response := await next_response()) is not None:
+            if response.has_error():
+                raise EngineError(f"{model_name}: {response.error().message()}")
+            yield response
+    finally:
+        # A reader that stops early (a cancelled request, a stop word) still
+        # takes the rest of the stream, so the model's request is released;
+        # bounded, because a stream whose request Triton cancelled may never end.
         try:
-            while (response := await next_response()) is not None:
-                if response.has_error():
-                    raise EngineError(f"{self.model_name}: {response.error().message()}")
-                yield response
-        finally:
-            # A reader that stops early (a cancelled request, a stop word) still
-            # takes the rest of the stream, so the engine's request is released;
-            # bounded, because a stream whose request Triton cancelled may never end.
-            try:
-                await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
-            except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
-                log.info("%s: left an engine stream unread: %r", self.model_name, error)
+            await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
+        except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
+            log.info("%s: left a response stream unread: %r", model_name, error)
 
 
 def _tokens(response) -> list[int] | None:

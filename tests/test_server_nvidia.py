@@ -1,0 +1,85 @@
+"""NVIDIA's model names on the real server: ``ensemble`` and
+``tensorrt_llm_bls`` driven exactly as NVIDIA's end-to-end client drives them
+(tensorrtllm_backend v0.17, inflight_batcher_llm/client/end_to_end_grpc_client.py:
+a gRPC stream even when not streaming, [1, 1] tensors, its default inputs,
+text_output read as ``output[0].decode()``, batch_index as ``[0][0]``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from tests.server_client import complete, engine_responses
+from tests.test_nvidia_interface import client_inputs
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("ensemble", "tensorrt_llm_bls")
+PROMPT = "def fibonacci(n):"
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(triton_server) -> str:
+    """The coordinator's own greedy completion of PROMPT."""
+    return complete(triton_server, PROMPT, TOKENS).text
+
+
+def texts(responses) -> list[str]:
+    return [r.as_numpy("text_output")[0].decode("utf-8") for r in responses]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_non_streamed_output_starts_with_the_prompt_unless_excluded(triton_server, reference, model):
+    outputs = ["text_output", "batch_index", "sequence_index"]
+    [with_prompt] = engine_responses(triton_server, model, client_inputs(PROMPT, TOKENS), outputs)
+    [without] = engine_responses(triton_server, model,
+                                 client_inputs(PROMPT, TOKENS, exclude_input_in_output=True), outputs)
+    assert texts([with_prompt]) == [PROMPT + reference]
+    assert texts([without]) == [reference]
+    assert with_prompt.as_numpy("batch_index")[0][0] == 0 and with_prompt.as_numpy("sequence_index")[0][0] == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_streamed_chunks_add_up_to_the_completion_with_statistics_at_the_end(triton_server, reference, model):
+    responses = engine_responses(triton_server, model, client_inputs(PROMPT, TOKENS, streaming=True),
+                                 ["text_output", "batch_index", "total_draft_tokens", "completion_tokens"])
+    assert len(responses) > 1
+    assert "".join(texts(responses)) == reference  # streaming never repeats the prompt (as NVIDIA's)
+    assert responses[-1].as_numpy("completion_tokens").item() == TOKENS
+    assert responses[-1].as_numpy("total_draft_tokens").item() >= 0
+    assert all(r.as_numpy("completion_tokens") is None for r in responses[:-1])
+
+
+def test_batched_prompts_come_back_tagged_by_batch_index(triton_server, reference):
+    one, two = client_inputs(PROMPT, TOKENS, exclude_input_in_output=True), client_inputs("def add(a, b):", 8)
+    batched = {name: np.concatenate([one[name], two[name]]) for name in one}
+    responses = engine_responses(triton_server, "tensorrt_llm_bls", batched, ["text_output", "batch_index"])
+    by_index = {r.as_numpy("batch_index")[0][0]: texts([r])[0] for r in responses}
+    assert by_index[0] == reference
+    assert by_index[1] == "def add(a, b):" + complete(triton_server, "def add(a, b):", 8).text
+
+
+def test_a_fixed_num_draft_tokens_is_lossless(triton_server, reference):
+    inputs = client_inputs(PROMPT, TOKENS, exclude_input_in_output=True,
+                           num_draft_tokens=np.array([[3]], dtype=np.int32))
+    [response] = engine_responses(triton_server, "tensorrt_llm_bls", inputs,
+                                  ["text_output", "total_draft_tokens", "speculative_rounds", "plain_rounds"])
+    assert texts([response]) == [reference]
+    assert response.as_numpy("total_draft_tokens").item() > 0
+
+
+@pytest.mark.parametrize("model, options, message", [
+    ("ensemble", {"beam_width": 2}, "beam_width must be 1"),
+    ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition_penalty is not supported"),
+    ("tensorrt_llm_bls", {"num_draft_tokens": np.array([[99]], dtype=np.int32)}, "num_draft_tokens must be between"),
+    ("tensorrt_llm_bls", {"output_len": 0}, "max_tokens must be between 1 and"),
+])
+def test_refusals_name_the_input_and_the_server_keeps_serving(triton_server, reference, model, options, message):
+    with pytest.raises(InferenceServerException, match=message):
+        engine_responses(triton_server, model, client_inputs(PROMPT, **{"output_len": TOKENS, **options}),
+                         ["text_output"])
+    [after] = engine_responses(triton_server, model, client_inputs(PROMPT, TOKENS, exclude_input_in_output=True),
+                               ["text_output"])
+    assert texts([after]) == [reference]
