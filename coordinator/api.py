@@ -33,6 +33,11 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("end_id", "TYPE_INT32", (1,), "the token that ends the completion (default: the model's end tokens)"),
     TensorSpec("use_draft_logits", "TYPE_BOOL", (1,),
                "sampled requests: verify against the draft's distribution (false: by token matching)"),
+    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), "divides the logits of tokens already in the text (> 0)"),
+    TensorSpec("presence_penalty", "TYPE_FP32", (1,), "subtracted from the logits of tokens already in the text"),
+    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), "subtracted once per occurrence of a token in the text"),
+    TensorSpec("min_length", "TYPE_INT32", (1,), "tokens to generate before the end token may come"),
+    TensorSpec("bad_words", "TYPE_STRING", (-1,), "strings the completion must not produce"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 

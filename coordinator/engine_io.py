@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from coordinator.contract import ENGINE_INPUTS
+from coordinator.penalties import word_list
 from coordinator.sampling import SamplingParams
 
 REQUESTED_OUTPUTS = ("output_ids", "sequence_length")
@@ -45,6 +46,17 @@ def engine_inputs(
         "runtime_top_p": scalar("runtime_top_p", sampling.top_p),
         seed_input: scalar("random_seed", sampling.seed),
     }
+    penalties = sampling.penalties
+    if penalties is not None and penalties.active:
+        call = penalties.for_call(len(input_ids))
+        for name, value, neutral in (("repetition_penalty", call.repetition, 1.0),
+                                     ("presence_penalty", call.presence, 0.0),
+                                     ("frequency_penalty", call.frequency, 0.0),
+                                     ("min_length", call.min_length, 0)):
+            if value != neutral:
+                tensors[name] = scalar(name, value)
+        if call.bad_words:
+            tensors["bad_words_list"] = word_list(call.bad_words)
     if draft_tokens:  # TensorRT-LLM asserts on an empty draft
         tensors["draft_input_ids"] = np.asarray(draft_tokens, dtype=np.int32).reshape(1, -1)
         if draft_logits is not None:

@@ -13,6 +13,9 @@ tell the difference.
   temperature or top-k/top-p; those process the target's logits only.
 * With k draft tokens the call returns the accepted prefix plus one token of
   the target's own (the correction or the bonus token).
+* Penalties, min_length and bad words (coordinator/penalties.py) process each
+  position's logits with the tokens before it, drafted ones included;
+  ``generation_logits`` stay the model's raw logits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.penalties import adjust, history_for, processed_rows
 from coordinator.sampling import SamplingParams, call_rng, select_token, softmax, verify_by_matching, verify_by_rejection
 
 
@@ -57,10 +61,12 @@ class PlainDecoding:
     once the call is finished (the end token drawn or the budget spent).
     Engines that batch many calls into one forward drive it step by step."""
 
-    def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None):
+    def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None,
+                 input_ids: Sequence[int] = ()):
         self.max_new_tokens = max_new_tokens
         self.params = params
         self.end_id = end_id
+        self.history = history_for(input_ids, params)
         self.rng = call_rng(params.seed)
         self.tokens: list[int] = []
         self.rows: list[np.ndarray] = []
@@ -68,7 +74,10 @@ class PlainDecoding:
         self.fed = 0
 
     def next_token(self, logits: np.ndarray) -> int | None:
-        token = select_token(logits, self.params, self.rng)
+        scores, params = adjust(logits, self.params, self.history, self.end_id)
+        token = select_token(scores, params, self.rng)
+        if self.history is not None:
+            self.history.push(token)
         if token == self.end_id:
             self.finished, self.fed = True, len(self.tokens)
             return None
@@ -89,10 +98,12 @@ def generate(
     max_new_tokens: int,
     params: SamplingParams,
     end_id: int | None,
+    input_ids: Sequence[int] = (),
 ) -> CallResult:
     """Plain decoding: ``step(token)`` feeds one token and returns the logits
-    of the next position; the first call feeds the prompt's last token."""
-    decoding = PlainDecoding(max_new_tokens, params, end_id)
+    of the next position; the first call feeds the prompt's last token
+    (``input_ids``: the whole input, which penalties count)."""
+    decoding = PlainDecoding(max_new_tokens, params, end_id, input_ids)
     feed: int | None = int(last_input)
     while feed is not None:
         feed = decoding.next_token(step(feed))
@@ -106,16 +117,19 @@ def verify(
     max_new_tokens: int,
     params: SamplingParams,
     end_id: int | None,
+    input_ids: Sequence[int] = (),
 ) -> CallResult:
     """Verification of k draft tokens from the target's logits [k + 1, vocab]
     (row i predicts the position of draft token i; row k the bonus)."""
     rng = call_rng(params.seed)
     drafts = [int(t) for t in draft_tokens]
+    rows, params = processed_rows(target_logits, drafts, params, end_id, input_ids)
     if draft_logits is None:
-        emitted = verify_by_matching(target_logits, drafts, params, rng)
+        emitted = verify_by_matching(rows, drafts, params, rng)
     else:
         q = np.stack([softmax(row) for row in np.asarray(draft_logits)])
-        emitted = verify_by_rejection(target_logits, q, drafts, params, rng)
+        emitted = verify_by_rejection(rows, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
     fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
     return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed)
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.api import Statistics
 from coordinator.config import CoordinatorSettings
@@ -75,6 +75,7 @@ async def generate_text(
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
     check_end_id(request.end_id, codec.vocab_size)
+    sampling, draft_sampling = with_penalties(request, codec, len(prompt_ids))
     costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
@@ -90,7 +91,7 @@ async def generate_text(
     end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
     drafter = make_drafter(
         request.drafter or settings.drafter,
-        model=lambda: ModelDrafter(draft, request.draft_sampling or request.sampling, tuple(end_ids),
+        model=lambda: ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids),
                                    catch_up_after=policy.max_window + 1,
                                    deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
         max_ngram=settings.prompt_lookup_max_ngram,
@@ -103,7 +104,7 @@ async def generate_text(
         drafter=drafter,
         target=target,
         policy=policy,
-        sampling=request.sampling,
+        sampling=sampling,
         end_ids=end_ids,
         plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
         draft_distribution=request.draft_distribution,
@@ -129,3 +130,16 @@ async def generate_text(
     finally:
         costs.streams -= 1
     yield Chunk(text.append([], final=True), True, stats)  # budget of 0 rounds cannot happen; kept for safety
+
+
+def with_penalties(request: GenerationRequest, codec: Codec, prompt_length: int):
+    """The request's target and draft sampling with its penalties attached
+    (bad words tokenized, min_length counted from the end of the prompt);
+    the draft samples with the same ones, so its drafts follow the target's
+    processed distribution."""
+    penalties = replace(request.penalties, prompt_length=prompt_length,
+                        bad_words=tuple(tuple(codec.encode_words(w)) for w in request.bad_word_texts))
+    if not penalties.active:
+        return request.sampling, request.draft_sampling
+    draft = None if request.draft_sampling is None else replace(request.draft_sampling, penalties=penalties)
+    return replace(request.sampling, penalties=penalties), draft

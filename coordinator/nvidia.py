@@ -48,11 +48,11 @@ INPUTS: tuple[TensorSpec, ...] = (
     _spec("beam_width", "TYPE_INT32", meaning="1 only: speculative decoding is a single-beam method"),
     _spec("num_return_sequences", "TYPE_INT32", meaning="1 only"),
     _spec("length_penalty", "TYPE_FP32", meaning="scores beams; with beam_width 1 it has no effect (as in TensorRT-LLM)"),
-    _spec("min_length", "TYPE_INT32", meaning="not supported yet: 0 only"),
-    _spec("repetition_penalty", "TYPE_FP32", meaning="not supported yet: 1 only"),
-    _spec("presence_penalty", "TYPE_FP32", meaning="not supported yet: 0 only"),
-    _spec("frequency_penalty", "TYPE_FP32", meaning="not supported yet: 0 only"),
-    _spec("bad_words", "TYPE_STRING", (-1,), "not supported yet: empty only"),
+    _spec("min_length", "TYPE_INT32", meaning="as the coordinator's input of that name"),
+    _spec("repetition_penalty", "TYPE_FP32", meaning="as the coordinator's input of that name"),
+    _spec("presence_penalty", "TYPE_FP32", meaning="as the coordinator's input of that name"),
+    _spec("frequency_penalty", "TYPE_FP32", meaning="as the coordinator's input of that name"),
+    _spec("bad_words", "TYPE_STRING", (-1,), "strings the completion must not produce"),
     _spec("return_log_probs", "TYPE_BOOL", meaning="not supported yet: false only"),
     _spec("return_context_logits", "TYPE_BOOL", meaning="not supported: false only"),
     _spec("return_generation_logits", "TYPE_BOOL", meaning="not supported: false only"),
@@ -94,10 +94,6 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 
 # Inputs refused unless neutral: name -> (neutral value, why). Absent is neutral too.
 _NEUTRAL: dict[str, tuple[object, str]] = {
-    "min_length": (0, "min_length is not supported yet"),
-    "repetition_penalty": (1.0, "repetition_penalty is not supported yet"),
-    "presence_penalty": (0.0, "presence_penalty is not supported yet"),
-    "frequency_penalty": (0.0, "frequency_penalty is not supported yet"),
     "return_log_probs": (False, "return_log_probs is not supported yet (no output_log_probs/cum_log_probs)"),
     "return_context_logits": (False, "return_context_logits is not supported (no context_logits)"),
     "return_generation_logits": (False, "return_generation_logits is not supported (no generation_logits)"),
@@ -107,7 +103,6 @@ _NEUTRAL: dict[str, tuple[object, str]] = {
 }
 # Inputs refused whenever present (with a non-empty value).
 _UNSUPPORTED = {
-    "bad_words": "bad_words is not supported yet",
     "prompt_embedding_table": "prompt tuning (prompt_embedding_table) is not supported by this server",
     "prompt_vocab_size": "prompt tuning (prompt_vocab_size) is not supported by this server",
     "prompt_table_extra_id": "prompt tuning (prompt_table_extra_id) is not supported by this server",
@@ -183,7 +178,9 @@ def _item(present: Mapping[str, np.ndarray], index: int) -> Item:
         "stream": np.array([stream], dtype=bool),
     }
     out.update(_sampling(row))
-    for name, dtype in (("random_seed", np.uint64), ("end_id", np.int32), ("use_draft_logits", bool)):
+    for name, dtype in (("random_seed", np.uint64), ("end_id", np.int32), ("use_draft_logits", bool),
+                        ("min_length", np.int32), ("repetition_penalty", np.float32),
+                        ("presence_penalty", np.float32), ("frequency_penalty", np.float32)):
         value = _one(row, name)
         if value is not None:
             out[name] = _array(value, dtype)
@@ -192,9 +189,10 @@ def _item(present: Mapping[str, np.ndarray], index: int) -> Item:
         # NVIDIA's BLS drafts exactly num_draft_tokens each round: a fixed window here
         out["speculation_window"] = _array(draft_tokens, np.int32)
         out["adaptive_window"] = np.array([False])
-    stop_words = _strings(row, "stop_words")
-    if stop_words:
-        out["stop_words"] = np.array([w.encode("utf-8") for w in stop_words], dtype=np.object_)
+    for name in ("stop_words", "bad_words"):
+        words = _strings(row, name)
+        if words:
+            out[name] = np.array([w.encode("utf-8") for w in words], dtype=np.object_)
     return Item(index, prompt, out, stream, include_prompt=not stream and not bool(exclude))
 
 

@@ -18,9 +18,12 @@ import hashlib
 import random
 import struct
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from coordinator.penalties import Penalties
 
 ROLES = ("draft", "target")
 
@@ -34,6 +37,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int = 0
     end_id: int | None = None  # the engine's end token (None: the model's own)
+    penalties: Penalties | None = None  # context-dependent processing (coordinator/penalties.py)
 
     @property
     def greedy(self) -> bool:

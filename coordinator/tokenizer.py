@@ -79,5 +79,10 @@ class Codec:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
+    def encode_words(self, text: str) -> list[int]:
+        """``text`` as a word list entry: no special tokens, as NVIDIA's
+        preprocessing tokenizes stop and bad words."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from coordinator.config import expand_env
 from cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from cpu_engine.faults import FaultConfigError, FaultInjector
+from coordinator.penalties import Penalties, read_word_list
 from coordinator.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,17 @@ def _read_request(request) -> EngineRequest:
     end_id = _scalar(request, "end_id", None)
     # Like TensorRT-LLM: neither top-k nor top-p given means greedy decoding.
     unfiltered = _optional(request, "runtime_top_k") is None and _optional(request, "runtime_top_p") is None
+    bad_words = _optional(request, "bad_words_list")
+    penalties = Penalties(
+        repetition=float(_scalar(request, "repetition_penalty", 1.0)),
+        presence=float(_scalar(request, "presence_penalty", 0.0)),
+        frequency=float(_scalar(request, "frequency_penalty", 0.0)),
+        min_length=int(_scalar(request, "min_length", 0)),
+        bad_words=() if bad_words is None or bad_words.size == 0 else read_word_list(bad_words),
+        prompt_length=length,  # min_length counts from this call's input, as TensorRT-LLM's
+    )
+    if penalties.repetition <= 0.0:
+        raise EngineRequestError(f"repetition_penalty must be > 0, got {penalties.repetition:g}")
     return EngineRequest(
         input_ids=input_ids[:length],
         max_new_tokens=int(_scalar(request, "request_output_len", 1)),
@@ -273,6 +285,7 @@ def _read_request(request) -> EngineRequest:
             top_k=1 if unfiltered else int(_scalar(request, "runtime_top_k", 0)),
             top_p=float(_scalar(request, "runtime_top_p", 1.0)),
             seed=int(_scalar(request, "random_seed", 0)),
+            penalties=penalties if penalties.active else None,
         ),
         end_id=None if end_id is None else int(end_id),
         draft_tokens=None if drafts is None or drafts.size == 0 else drafts.reshape(-1),

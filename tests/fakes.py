@@ -9,6 +9,7 @@ import numpy as np
 
 from coordinator import engine_semantics
 from coordinator.loop import EngineOutput
+from coordinator.penalties import for_engine_call
 from coordinator.sampling import SamplingParams
 
 VOCAB = 50
@@ -51,11 +52,13 @@ class ToyEngine:
         self.seeds.append(sampling.seed)
         end_id = None if self.returns_end_token else self.end_id
         context = list(input_ids)
+        sampling = for_engine_call(sampling, len(context))  # what the engine call's inputs carry
         if draft_tokens:
             rows = np.stack([self.logits_fn(context + list(draft_tokens[:i])) for i in range(len(draft_tokens) + 1)])
             if draft_logits is not None:
                 self.received_draft_logits.append(np.asarray(draft_logits))
-            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id)
+            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id,
+                                           input_ids=context)
             tokens, logit_rows = list(call.tokens), list(call.logits)
             own = len(tokens) - call.fed
             if self.continues_after_verify and own > 0 and len(tokens) < max_new_tokens:
@@ -86,7 +89,7 @@ class ToyEngine:
             fed.append(token)
             return self.logits_fn(context + fed[1:])
 
-        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id)
+        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id, input_ids=context)
 
 
 def noisy(logits_fn, flip_every: int, salt: int = 7):

@@ -95,6 +95,18 @@ def test_stop_words_end_id_and_pad_id():
     assert request.end_id == 13 and request.sampling.end_id == 13
 
 
+def test_penalties_min_length_and_bad_words_are_passed_on():
+    [item] = nvidia.translate(client_inputs(repetition_penalty=np.array([[1.3]], dtype=np.float32),
+                                            presence_penalty=np.array([[0.5]], dtype=np.float32),
+                                            frequency_penalty=np.array([[0.25]], dtype=np.float32),
+                                            min_length=np.array([[4]], dtype=np.int32),
+                                            bad_words=np.array([["foo", "bar baz"]], dtype=object)))
+    request = coordinator_request(item)
+    assert request.penalties.repetition == pytest.approx(1.3) and request.penalties.presence == 0.5
+    assert request.penalties.frequency == 0.25 and request.penalties.min_length == 4
+    assert request.bad_word_texts == ("foo", "bar baz")
+
+
 def test_batched_inputs_become_one_request_per_prompt():
     """The client's --batch-inputs stacks each input's [1, 1] rows."""
     one, two = client_inputs("a"), client_inputs("b", exclude_input_in_output=True)
@@ -108,14 +120,9 @@ def test_batched_inputs_become_one_request_per_prompt():
 @pytest.mark.parametrize("name, value, message", [
     ("beam_width", np.array([[2]], dtype=np.int32), "beam_width must be 1"),
     ("num_return_sequences", np.array([[2]], dtype=np.int32), "num_return_sequences must be 1"),
-    ("repetition_penalty", np.array([[1.2]], dtype=np.float32), "repetition_penalty is not supported"),
-    ("presence_penalty", np.array([[0.5]], dtype=np.float32), "presence_penalty is not supported"),
-    ("frequency_penalty", np.array([[0.5]], dtype=np.float32), "frequency_penalty is not supported"),
-    ("min_length", np.array([[4]], dtype=np.int32), "min_length is not supported"),
     ("return_log_probs", np.array([[True]]), "return_log_probs is not supported"),
     ("return_generation_logits", np.array([[True]]), "return_generation_logits is not supported"),
     ("return_context_logits", np.array([[True]]), "return_context_logits is not supported"),
-    ("bad_words", np.array([["foo"]], dtype=object), "bad_words is not supported"),
     ("lora_task_id", np.array([[1]], dtype=np.uint64), r"LoRA \(lora_task_id\)"),
     ("embedding_bias_words", np.array([["foo"]], dtype=object), "embedding bias"),
     ("prompt_embedding_table", np.zeros((1, 2, 4), dtype=np.float16), "prompt tuning"),

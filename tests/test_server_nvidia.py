@@ -72,7 +72,8 @@ def test_a_fixed_num_draft_tokens_is_lossless(triton_server, reference):
 
 @pytest.mark.parametrize("model, options, message", [
     ("ensemble", {"beam_width": 2}, "beam_width must be 1"),
-    ("ensemble", {"repetition_penalty": np.array([[1.3]], dtype=np.float32)}, "repetition_penalty is not supported"),
+    ("ensemble", {"return_log_probs": np.array([[True]])}, "return_log_probs is not supported"),
+    ("ensemble", {"repetition_penalty": np.array([[0.0]], dtype=np.float32)}, "repetition_penalty must be in"),
     ("tensorrt_llm_bls", {"num_draft_tokens": np.array([[99]], dtype=np.int32)}, "num_draft_tokens must be between"),
     ("tensorrt_llm_bls", {"output_len": 0}, "max_tokens must be between 1 and"),
 ])
@@ -83,3 +84,21 @@ def test_refusals_name_the_input_and_the_server_keeps_serving(triton_server, ref
     [after] = engine_responses(triton_server, model, client_inputs(PROMPT, TOKENS, exclude_input_in_output=True),
                                ["text_output"])
     assert texts([after]) == [reference]
+
+
+def test_penalties_and_bad_words_decode_speculatively_and_losslessly(triton_server, reference):
+    """NVIDIA's client's --repetition-penalty, --frequency-penalty and --bad-words,
+    through the engines' own inputs: speculation (a fixed window of 4) gives
+    the text plain decoding (num_draft_tokens 0) gives, and the penalties
+    change the text."""
+    penalized = dict(repetition_penalty=np.array([[1.3]], dtype=np.float32),
+                     frequency_penalty=np.array([[0.4]], dtype=np.float32),
+                     bad_words=np.array([[" elif"]], dtype=object), exclude_input_in_output=True)
+    answers = {}
+    for window in (0, 4):
+        inputs = client_inputs(PROMPT, TOKENS, num_draft_tokens=np.array([[window]], dtype=np.int32), **penalized)
+        [response] = engine_responses(triton_server, "tensorrt_llm_bls", inputs, ["text_output", "total_draft_tokens"])
+        answers[window] = (texts([response])[0], response.as_numpy("total_draft_tokens").item())
+    assert answers[4][0] == answers[0][0] != reference
+    assert " elif" not in answers[0][0] and " elif" in reference  # one token, " elif", in this tokenizer
+    assert answers[4][1] > 0 and answers[0][1] == 0
