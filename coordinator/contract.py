@@ -62,6 +62,7 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
         TensorSpec("frequency_penalty", "TYPE_FP32", (1,)),
         TensorSpec("min_length", "TYPE_INT32", (1,)),
         TensorSpec("bad_words_list", "TYPE_INT32", (2, -1)),
+        TensorSpec("return_log_probs", "TYPE_BOOL", (1,)),
         TensorSpec("random_seed", "TYPE_UINT64", (1,)),
         TensorSpec("return_generation_logits", "TYPE_BOOL", (1,)),
         TensorSpec("streaming", "TYPE_BOOL", (1,)),
@@ -81,6 +82,7 @@ ENGINE_OUTPUTS: dict[str, TensorSpec] = {
         TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),
         TensorSpec("sequence_length", "TYPE_INT32", (-1,)),
         TensorSpec("generation_logits", "TYPE_FP32", (-1, -1, -1)),
+        TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1)),
     )
 }
 

@@ -63,6 +63,8 @@ def engine_inputs(
             tensors["draft_logits"] = np.asarray(draft_logits, dtype=np.float32)[None, ...]
     if return_logits:
         tensors["return_generation_logits"] = scalar("return_generation_logits", True)
+    if sampling.log_probs:
+        tensors["return_log_probs"] = scalar("return_log_probs", True)
     if streaming:  # a decoupled engine then answers with each step's new tokens
         tensors["streaming"] = scalar("streaming", True)
     return tensors
@@ -78,6 +80,15 @@ def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> lis
     if not 0 <= length <= ids.size:
         raise ValueError(f"sequence_length {length} is outside output_ids of size {ids.size}")
     return [int(t) for t in ids[:length]]
+
+
+def output_log_probs(array: np.ndarray, tokens: int) -> list[float]:
+    """Beam 0's log probabilities of its first ``tokens`` tokens from
+    ``output_log_probs`` [1, beam, n] (or [1, n])."""
+    values = _rows(np.asarray(array, dtype=np.float32), 1)[0]
+    if values.size < tokens:
+        raise ValueError(f"output_log_probs has {values.size} values for {tokens} generated tokens")
+    return [float(v) for v in values[:tokens]]
 
 
 def generation_logits(logits: np.ndarray, tokens: int) -> np.ndarray:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.penalties import adjust, history_for, processed_rows
-from coordinator.sampling import SamplingParams, call_rng, select_token, softmax, verify_by_matching, verify_by_rejection
+from coordinator.sampling import (SamplingParams, call_rng, select_token, softmax, token_log_prob, verify_by_matching,
+                                  verify_by_rejection)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class CallResult:
     tokens: list[int]  # what output_ids/sequence_length carry: the end token excluded
     logits: list[np.ndarray]  # one row per returned token
     fed: int  # how many of ``tokens`` went through the model (their KV is in the cache)
+    log_probs: list[float] | None = None  # each token's, when the call asked (output_log_probs)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -67,6 +69,7 @@ class PlainDecoding:
         self.params = params
         self.end_id = end_id
         self.history = history_for(input_ids, params)
+        self.log_probs: list[float] | None = [] if params.log_probs else None
         self.rng = call_rng(params.seed)
         self.tokens: list[int] = []
         self.rows: list[np.ndarray] = []
@@ -83,13 +86,15 @@ class PlainDecoding:
             return None
         self.tokens.append(token)
         self.rows.append(logits)
+        if self.log_probs is not None:
+            self.log_probs.append(token_log_prob(scores, params, token))
         if len(self.tokens) >= self.max_new_tokens:
             self.finished, self.fed = True, len(self.tokens) - 1
             return None
         return token
 
     def result(self) -> CallResult:
-        return CallResult(self.tokens, self.rows, self.fed)
+        return CallResult(self.tokens, self.rows, self.fed, self.log_probs)
 
 
 def generate(
@@ -131,5 +136,6 @@ def verify(
         emitted = verify_by_rejection(rows, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
     fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
-    return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed)
+    log_probs = [token_log_prob(rows[i], params, t) for i, t in enumerate(tokens)] if params.log_probs else None
+    return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed, log_probs)
 

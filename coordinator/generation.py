@@ -51,6 +51,7 @@ class Chunk:
     text: str
     final: bool
     stats: Stats
+    log_probs: list[float] | None = None  # the final chunk's, when the request asked for them
 
 
 async def generate_text(
@@ -75,7 +76,7 @@ async def generate_text(
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
     check_end_id(request.end_id, codec.vocab_size)
-    sampling, draft_sampling = with_penalties(request, codec, len(prompt_ids))
+    sampling, draft_sampling = engine_sampling(request, codec, len(prompt_ids))
     costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
@@ -88,6 +89,7 @@ async def generate_text(
     )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
+    log_probs: list[float] | None = [] if request.return_log_probs else None
     end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
     drafter = make_drafter(
         request.drafter or settings.drafter,
@@ -114,6 +116,8 @@ async def generate_text(
         async with aclosing(rounds):
             async for round_ in rounds:
                 stats.add(round_)
+                if log_probs is not None:
+                    log_probs += round_.log_probs or ()
                 if policy.governor is not None:
                     policy.governor.emitted(len(round_.tokens), costs.streams)
                 stats.fallback_reason = policy.reason
@@ -123,23 +127,28 @@ async def generate_text(
                     raise RequestCancelled()
                 delta = text.append(round_.tokens, final=round_.finished)
                 if text.stopped or round_.finished:
-                    yield Chunk(delta, True, stats)
+                    yield Chunk(delta, True, stats, log_probs)
                     return
                 if delta:
                     yield Chunk(delta, False, stats)
     finally:
         costs.streams -= 1
-    yield Chunk(text.append([], final=True), True, stats)  # budget of 0 rounds cannot happen; kept for safety
+    yield Chunk(text.append([], final=True), True, stats, log_probs)  # budget of 0 rounds cannot happen; kept for safety
 
 
-def with_penalties(request: GenerationRequest, codec: Codec, prompt_length: int):
-    """The request's target and draft sampling with its penalties attached
-    (bad words tokenized, min_length counted from the end of the prompt);
-    the draft samples with the same ones, so its drafts follow the target's
-    processed distribution."""
+def engine_sampling(request: GenerationRequest, codec: Codec, prompt_length: int):
+    """The request's target and draft sampling as the engines get them: its
+    penalties attached (bad words tokenized, min_length counted from the end
+    of the prompt; the draft samples with the same ones, so its drafts follow
+    the target's processed distribution), log probabilities asked of the
+    target alone."""
+    sampling, draft = request.sampling, request.draft_sampling
     penalties = replace(request.penalties, prompt_length=prompt_length,
                         bad_words=tuple(tuple(codec.encode_words(w)) for w in request.bad_word_texts))
-    if not penalties.active:
-        return request.sampling, request.draft_sampling
-    draft = None if request.draft_sampling is None else replace(request.draft_sampling, penalties=penalties)
-    return replace(request.sampling, penalties=penalties), draft
+    if penalties.active:
+        sampling = replace(sampling, penalties=penalties)
+        draft = None if draft is None else replace(draft, penalties=penalties)
+    if request.return_log_probs:
+        draft = draft or sampling
+        sampling = replace(sampling, log_probs=True)
+    return sampling, draft

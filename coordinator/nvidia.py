@@ -53,7 +53,7 @@ INPUTS: tuple[TensorSpec, ...] = (
     _spec("presence_penalty", "TYPE_FP32", meaning="as the coordinator's input of that name"),
     _spec("frequency_penalty", "TYPE_FP32", meaning="as the coordinator's input of that name"),
     _spec("bad_words", "TYPE_STRING", (-1,), "strings the completion must not produce"),
-    _spec("return_log_probs", "TYPE_BOOL", meaning="not supported yet: false only"),
+    _spec("return_log_probs", "TYPE_BOOL", meaning="output_log_probs and cum_log_probs on the final response"),
     _spec("return_context_logits", "TYPE_BOOL", meaning="not supported: false only"),
     _spec("return_generation_logits", "TYPE_BOOL", meaning="not supported: false only"),
     _spec("return_kv_cache_reuse_stats", "TYPE_BOOL", meaning="not supported: false only"),
@@ -81,9 +81,9 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     _spec("text_output", "TYPE_STRING", (-1,), "the text (a chunk of it when streaming)", optional=False),
     _spec("batch_index", "TYPE_INT32", meaning="which batch item a response belongs to", optional=False),
     _spec("sequence_index", "TYPE_INT32", meaning="which of num_return_sequences (always 0)", optional=False),
-    _spec("cum_log_probs", "TYPE_FP32", (-1,), "not supported yet (return_log_probs is refused)", optional=False),
-    _spec("output_log_probs", "TYPE_FP32", (-1, -1), "not supported yet (return_log_probs is refused)",
-          optional=False),
+    _spec("cum_log_probs", "TYPE_FP32", (-1,), "with return_log_probs: their sum [1, 1]", optional=False),
+    _spec("output_log_probs", "TYPE_FP32", (-1, -1),
+          "with return_log_probs: each generated token's [1, 1, n], on the final response", optional=False),
     _spec("context_logits", "TYPE_FP32", (-1, -1), "not supported (return_context_logits is refused)",
           optional=False),
     _spec("generation_logits", "TYPE_FP32", (-1, -1, -1), "not supported (return_generation_logits is refused)",
@@ -94,7 +94,6 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 
 # Inputs refused unless neutral: name -> (neutral value, why). Absent is neutral too.
 _NEUTRAL: dict[str, tuple[object, str]] = {
-    "return_log_probs": (False, "return_log_probs is not supported yet (no output_log_probs/cum_log_probs)"),
     "return_context_logits": (False, "return_context_logits is not supported (no context_logits)"),
     "return_generation_logits": (False, "return_generation_logits is not supported (no generation_logits)"),
     "return_kv_cache_reuse_stats": (False, "return_kv_cache_reuse_stats is not supported"),
@@ -179,6 +178,7 @@ def _item(present: Mapping[str, np.ndarray], index: int) -> Item:
     }
     out.update(_sampling(row))
     for name, dtype in (("random_seed", np.uint64), ("end_id", np.int32), ("use_draft_logits", bool),
+                        ("return_log_probs", bool),
                         ("min_length", np.int32), ("repetition_penalty", np.float32),
                         ("presence_penalty", np.float32), ("frequency_penalty", np.float32)):
         value = _one(row, name)

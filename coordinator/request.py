@@ -52,6 +52,7 @@ class GenerationRequest:
     draft_distribution: bool = True  # sampled requests: verify against q (False: by token matching)
     penalties: Penalties = NO_PENALTIES  # bad_words still as text: bad_word_texts
     bad_word_texts: tuple[str, ...] = ()
+    return_log_probs: bool = False
 
 
 def parse_request(
@@ -145,6 +146,7 @@ def parse_request(
         draft_distribution=draft_distribution,
         penalties=penalties,
         bad_word_texts=bad_words,
+        return_log_probs=bool(_scalar(inputs, "return_log_probs") or False),
     )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator import nvidia
-from coordinator.api import OUTPUTS as COORDINATOR_OUTPUTS, STATISTICS
+from coordinator.api import LOG_PROBS, OUTPUTS as COORDINATOR_OUTPUTS, STATISTICS
 from coordinator.loop import EngineError
 from coordinator.request import InputError
 from coordinator.triton_bls import bls_responses
@@ -98,4 +98,9 @@ def _answer(item: nvidia.Item, text: str, statistics):
             tensor = pb_utils.get_output_tensor_by_name(statistics, spec.name)
             if tensor is not None:
                 tensors.append(pb_utils.Tensor(spec.name, tensor.as_numpy().reshape(1, -1)))
+        for spec in LOG_PROBS:  # NVIDIA's shapes: [batch, beam, n] and [batch, beam]
+            tensor = pb_utils.get_output_tensor_by_name(statistics, spec.name)
+            if tensor is not None:
+                shape = (1, 1, -1) if spec.name == "output_log_probs" else (1, 1)
+                tensors.append(pb_utils.Tensor(spec.name, tensor.as_numpy().reshape(shape)))
     return pb_utils.InferenceResponse(output_tensors=tensors)

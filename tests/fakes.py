@@ -73,14 +73,20 @@ class ToyEngine:
         if self.returns_end_token and self.end_id in tokens:
             tokens = tokens[: tokens.index(self.end_id) + 1]
             logit_rows = logit_rows[: len(tokens)]
-        return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None)
+        log_probs = None
+        if sampling.log_probs:
+            log_probs = list(call.log_probs or [])
+            if draft_tokens and self.continues_after_verify and len(tokens) > len(log_probs):
+                log_probs += list(more.log_probs or [])
+            log_probs = log_probs[: len(tokens)]
+        return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None, log_probs)
 
     async def stream(self, input_ids, max_new_tokens, sampling: SamplingParams):
         """Plain decoding in one call, a token at a time (as a streaming engine answers)."""
         self.streamed.append(max_new_tokens)
         output = await self.generate(input_ids, max_new_tokens, sampling)
-        for token in output.tokens:
-            yield [token]
+        for i, token in enumerate(output.tokens):
+            yield EngineOutput([token], None, None if output.log_probs is None else output.log_probs[i:i + 1])
 
     def _plain(self, context, max_new_tokens, sampling, end_id):
         fed: list[int] = []

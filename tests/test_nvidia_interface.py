@@ -95,16 +95,17 @@ def test_stop_words_end_id_and_pad_id():
     assert request.end_id == 13 and request.sampling.end_id == 13
 
 
-def test_penalties_min_length_and_bad_words_are_passed_on():
+def test_penalties_min_length_bad_words_and_log_probs_are_passed_on():
     [item] = nvidia.translate(client_inputs(repetition_penalty=np.array([[1.3]], dtype=np.float32),
                                             presence_penalty=np.array([[0.5]], dtype=np.float32),
                                             frequency_penalty=np.array([[0.25]], dtype=np.float32),
                                             min_length=np.array([[4]], dtype=np.int32),
-                                            bad_words=np.array([["foo", "bar baz"]], dtype=object)))
+                                            bad_words=np.array([["foo", "bar baz"]], dtype=object),
+                                            return_log_probs=np.array([[True]])))
     request = coordinator_request(item)
     assert request.penalties.repetition == pytest.approx(1.3) and request.penalties.presence == 0.5
     assert request.penalties.frequency == 0.25 and request.penalties.min_length == 4
-    assert request.bad_word_texts == ("foo", "bar baz")
+    assert request.bad_word_texts == ("foo", "bar baz") and request.return_log_probs
 
 
 def test_batched_inputs_become_one_request_per_prompt():
@@ -120,7 +121,6 @@ def test_batched_inputs_become_one_request_per_prompt():
 @pytest.mark.parametrize("name, value, message", [
     ("beam_width", np.array([[2]], dtype=np.int32), "beam_width must be 1"),
     ("num_return_sequences", np.array([[2]], dtype=np.int32), "num_return_sequences must be 1"),
-    ("return_log_probs", np.array([[True]]), "return_log_probs is not supported"),
     ("return_generation_logits", np.array([[True]]), "return_generation_logits is not supported"),
     ("return_context_logits", np.array([[True]]), "return_context_logits is not supported"),
     ("lora_task_id", np.array([[1]], dtype=np.uint64), r"LoRA \(lora_task_id\)"),

@@ -72,7 +72,7 @@ def test_a_fixed_num_draft_tokens_is_lossless(triton_server, reference):
 
 @pytest.mark.parametrize("model, options, message", [
     ("ensemble", {"beam_width": 2}, "beam_width must be 1"),
-    ("ensemble", {"return_log_probs": np.array([[True]])}, "return_log_probs is not supported"),
+    ("ensemble", {"return_generation_logits": np.array([[True]])}, "return_generation_logits is not supported"),
     ("ensemble", {"repetition_penalty": np.array([[0.0]], dtype=np.float32)}, "repetition_penalty must be in"),
     ("tensorrt_llm_bls", {"num_draft_tokens": np.array([[99]], dtype=np.int32)}, "num_draft_tokens must be between"),
     ("tensorrt_llm_bls", {"output_len": 0}, "max_tokens must be between 1 and"),
@@ -102,3 +102,23 @@ def test_penalties_and_bad_words_decode_speculatively_and_losslessly(triton_serv
     assert answers[4][0] == answers[0][0] != reference
     assert " elif" not in answers[0][0] and " elif" in reference  # one token, " elif", in this tokenizer
     assert answers[4][1] > 0 and answers[0][1] == 0
+
+
+def test_log_probs_come_with_the_final_response_and_do_not_depend_on_speculation(triton_server):
+    """NVIDIA's client's --return-log-probs: output_log_probs [1, 1, n] with one
+    value per generated token and cum_log_probs their sum; greedy speculation
+    reports plain decoding's values (the CPU engine's rows are the same)."""
+    outputs = ["text_output", "output_log_probs", "cum_log_probs", "completion_tokens"]
+    found = {}
+    for window in (0, 4):
+        inputs = client_inputs(PROMPT, TOKENS, num_draft_tokens=np.array([[window]], dtype=np.int32),
+                               return_log_probs=np.array([[True]]), streaming=True)
+        responses = engine_responses(triton_server, "tensorrt_llm_bls", inputs, outputs)
+        final = responses[-1]
+        values = final.as_numpy("output_log_probs")
+        assert values.shape == (1, 1, final.as_numpy("completion_tokens").item()) == (1, 1, TOKENS)
+        assert final.as_numpy("cum_log_probs").shape == (1, 1)
+        assert final.as_numpy("cum_log_probs").item() == pytest.approx(values.sum(), rel=1e-5)
+        assert (values <= 0).all()
+        found[window] = values
+    np.testing.assert_allclose(found[4], found[0], rtol=1e-5, atol=1e-6)
