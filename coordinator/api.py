@@ -30,6 +30,15 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("stop_words", "TYPE_STRING", (-1,), "strings that end the completion (not included)"),
     TensorSpec("stream", "TYPE_BOOL", (1,), "a response per chunk of text instead of one at the end"),
     TensorSpec("drafter", "TYPE_STRING", (1,), "who drafts: draft_model, prompt_lookup or hybrid"),
+    TensorSpec("end_id", "TYPE_INT32", (1,), "the token that ends the completion (default: the model's end tokens)"),
+    TensorSpec("use_draft_logits", "TYPE_BOOL", (1,),
+               "sampled requests: verify against the draft's distribution (false: by token matching)"),
+    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), "divides the logits of tokens already in the text (> 0)"),
+    TensorSpec("presence_penalty", "TYPE_FP32", (1,), "subtracted from the logits of tokens already in the text"),
+    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), "subtracted once per occurrence of a token in the text"),
+    TensorSpec("min_length", "TYPE_INT32", (1,), "tokens to generate before the end token may come"),
+    TensorSpec("bad_words", "TYPE_STRING", (-1,), "strings the completion must not produce"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), "report each generated token's log probability"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 
@@ -106,6 +115,12 @@ def _specs() -> list[tuple[TensorSpec, str]]:
 
 
 STATISTICS: tuple[TensorSpec, ...] = tuple(spec for spec, _ in _specs())
-OUTPUTS: tuple[TensorSpec, ...] = (TEXT_OUTPUT, *STATISTICS)
+# With return_log_probs, on the final response: one value per generated token
+# (completion_tokens of them) and their sum, as TensorRT-LLM reports them.
+LOG_PROBS: tuple[TensorSpec, ...] = (
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1,), "log probability of each generated token", optional=False),
+    TensorSpec("cum_log_probs", "TYPE_FP32", (1,), "their sum", optional=False),
+)
+OUTPUTS: tuple[TensorSpec, ...] = (TEXT_OUTPUT, *STATISTICS, *LOG_PROBS)
 COUNTED = tuple(name for spec, name in _specs() if spec.data_type in ("TYPE_INT32", "TYPE_FP32")
                 and name != "acceptance_rate")  # statistics that add up over requests

@@ -78,6 +78,12 @@ class CoordinatorSettings:
     # match, ~90 % after 8 or more; on copied code always): shorter ones are
     # left to the draft model.
     hybrid_min_match: int = 8
+    # Whether requests with penalties, min_length or bad_words speculate. That
+    # is lossless only if the target engine processes each verified position
+    # with the drafted tokens before it, as plain decoding would: the CPU
+    # engine does (tests/test_penalties.py); on a TensorRT-LLM engine check it
+    # first (docs/gpu.md). false: such requests decode with the target alone.
+    speculate_with_penalties: bool = True
     # The speculation policy's tuning values (coordinator/policy.py): set with
     # parameters of their own names (history_tokens, min_evidence, ...).
     policy: PolicySettings = field(default_factory=PolicySettings)

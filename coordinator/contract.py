@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 
 NUMPY_TYPES = {"TYPE_STRING": "object", "TYPE_INT32": "int32", "TYPE_UINT64": "uint64", "TYPE_FP32": "float32",
-               "TYPE_BOOL": "bool"}
+               "TYPE_FP16": "float16", "TYPE_BOOL": "bool"}
 WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32",
-              "TYPE_BOOL": "BOOL"}
+              "TYPE_FP16": "FP16", "TYPE_BOOL": "BOOL"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
         TensorSpec("temperature", "TYPE_FP32", (1,)),
         TensorSpec("runtime_top_k", "TYPE_INT32", (1,)),
         TensorSpec("runtime_top_p", "TYPE_FP32", (1,)),
+        TensorSpec("repetition_penalty", "TYPE_FP32", (1,)),
+        TensorSpec("presence_penalty", "TYPE_FP32", (1,)),
+        TensorSpec("frequency_penalty", "TYPE_FP32", (1,)),
+        TensorSpec("min_length", "TYPE_INT32", (1,)),
+        TensorSpec("bad_words_list", "TYPE_INT32", (2, -1)),
+        TensorSpec("return_log_probs", "TYPE_BOOL", (1,)),
         TensorSpec("random_seed", "TYPE_UINT64", (1,)),
         TensorSpec("return_generation_logits", "TYPE_BOOL", (1,)),
         TensorSpec("streaming", "TYPE_BOOL", (1,)),
@@ -76,6 +82,7 @@ ENGINE_OUTPUTS: dict[str, TensorSpec] = {
         TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),
         TensorSpec("sequence_length", "TYPE_INT32", (-1,)),
         TensorSpec("generation_logits", "TYPE_FP32", (-1, -1, -1)),
+        TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1)),
     )
 }
 

@@ -43,6 +43,7 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.engine_semantics import before_end
+from coordinator.penalties import for_engine_call, processed_rows
 from coordinator.sampling import SamplingParams, draft_log_probs
 
 DRAFT_MODEL, PROMPT_LOOKUP, HYBRID = "draft_model", "prompt_lookup", "hybrid"
@@ -77,6 +78,13 @@ class Drafter(Protocol):
         with ``distribution``, log q as well where the drafter has one. ``seed`` seeds a sampling
         drafter; ``using`` names the candidate to propose with (None: the preferred one)."""
         ...
+
+    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
+        """log q of the drafted tokens: the draft's raw logits processed as its
+        sampler processed them (penalties included, each row after the tokens before it)."""
+        end_id = self.end_ids[0] if self.end_ids else None
+        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
+        return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         """Work worth starting in the background before the first proposal (None: nothing)."""
@@ -123,9 +131,16 @@ class ModelDrafter:
             if drafted.logits is None or len(drafted.logits) < len(tokens):
                 raise DrafterError("the draft returned no generation_logits for a sampled request")
             # k rows over the whole vocabulary, off the event loop: other streams need not wait
-            log_probs = await asyncio.to_thread(draft_log_probs, np.asarray(drafted.logits[: len(tokens)]),
-                                                self.sampling)
+            log_probs = await asyncio.to_thread(self._log_q, np.asarray(drafted.logits[: len(tokens)]),
+                                                list(context), tokens)
         return Proposal(self.name, tokens, log_probs, (self.clock() - started) if tokens else None)
+
+    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
+        """log q of the drafted tokens: the draft's raw logits processed as its
+        sampler processed them (penalties included, each row after the tokens before it)."""
+        end_id = self.end_ids[0] if self.end_ids else None
+        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
+        return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         if self.seen:
@@ -164,6 +179,13 @@ class PromptLookupDrafter:
         _, tokens = self.match(context, k)
         return Proposal(self.name, tokens, None, self.clock() - started)
 
+    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
+        """log q of the drafted tokens: the draft's raw logits processed as its
+        sampler processed them (penalties included, each row after the tokens before it)."""
+        end_id = self.end_ids[0] if self.end_ids else None
+        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
+        return draft_log_probs(rows, params)
+
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         return None
 
@@ -199,6 +221,13 @@ class HybridDrafter:
         proposal = await self.model.propose(context, k, seed, distribution)
         _, alternative = self.lookup.match(context, k + 1)  # the round emits k + 1 tokens at most
         return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
+
+    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
+        """log q of the drafted tokens: the draft's raw logits processed as its
+        sampler processed them (penalties included, each row after the tokens before it)."""
+        end_id = self.end_ids[0] if self.end_ids else None
+        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
+        return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         # Where prompt lookup has a match the text is likely copying: the draft

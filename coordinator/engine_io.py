@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from coordinator.contract import ENGINE_INPUTS
+from coordinator.penalties import word_list
 from coordinator.sampling import SamplingParams
 
 REQUESTED_OUTPUTS = ("output_ids", "sequence_length")
@@ -45,12 +46,25 @@ def engine_inputs(
         "runtime_top_p": scalar("runtime_top_p", sampling.top_p),
         seed_input: scalar("random_seed", sampling.seed),
     }
+    penalties = sampling.penalties
+    if penalties is not None and penalties.active:
+        call = penalties.for_call(len(input_ids))
+        for name, value, neutral in (("repetition_penalty", call.repetition, 1.0),
+                                     ("presence_penalty", call.presence, 0.0),
+                                     ("frequency_penalty", call.frequency, 0.0),
+                                     ("min_length", call.min_length, 0)):
+            if value != neutral:
+                tensors[name] = scalar(name, value)
+        if call.bad_words:
+            tensors["bad_words_list"] = word_list(call.bad_words)
     if draft_tokens:  # TensorRT-LLM asserts on an empty draft
         tensors["draft_input_ids"] = np.asarray(draft_tokens, dtype=np.int32).reshape(1, -1)
         if draft_logits is not None:
             tensors["draft_logits"] = np.asarray(draft_logits, dtype=np.float32)[None, ...]
     if return_logits:
         tensors["return_generation_logits"] = scalar("return_generation_logits", True)
+    if sampling.log_probs:
+        tensors["return_log_probs"] = scalar("return_log_probs", True)
     if streaming:  # a decoupled engine then answers with each step's new tokens
         tensors["streaming"] = scalar("streaming", True)
     return tensors
@@ -66,6 +80,15 @@ def generated_tokens(output_ids: np.ndarray, sequence_length: np.ndarray) -> lis
     if not 0 <= length <= ids.size:
         raise ValueError(f"sequence_length {length} is outside output_ids of size {ids.size}")
     return [int(t) for t in ids[:length]]
+
+
+def output_log_probs(array: np.ndarray, tokens: int) -> list[float]:
+    """Beam 0's log probabilities of its first ``tokens`` tokens from
+    ``output_log_probs`` [1, beam, n] (or [1, n])."""
+    values = _rows(np.asarray(array, dtype=np.float32), 1)[0]
+    if values.size < tokens:
+        raise ValueError(f"output_log_probs has {values.size} values for {tokens} generated tokens")
+    return [float(v) for v in values[:tokens]]
 
 
 def generation_logits(logits: np.ndarray, tokens: int) -> np.ndarray:

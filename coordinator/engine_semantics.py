@@ -13,6 +13,9 @@ tell the difference.
   temperature or top-k/top-p; those process the target's logits only.
 * With k draft tokens the call returns the accepted prefix plus one token of
   the target's own (the correction or the bonus token).
+* Penalties, min_length and bad words (coordinator/penalties.py) process each
+  position's logits with the tokens before it, drafted ones included;
+  ``generation_logits`` stay the model's raw logits.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.sampling import SamplingParams, call_rng, select_token, softmax, verify_by_matching, verify_by_rejection
+from coordinator.penalties import adjust, history_for, processed_rows
+from coordinator.sampling import (SamplingParams, call_rng, select_token, softmax, token_log_prob, verify_by_matching,
+                                  verify_by_rejection)
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class CallResult:
     tokens: list[int]  # what output_ids/sequence_length carry: the end token excluded
     logits: list[np.ndarray]  # one row per returned token
     fed: int  # how many of ``tokens`` went through the model (their KV is in the cache)
+    log_probs: list[float] | None = None  # each token's, when the call asked (output_log_probs)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -57,10 +63,13 @@ class PlainDecoding:
     once the call is finished (the end token drawn or the budget spent).
     Engines that batch many calls into one forward drive it step by step."""
 
-    def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None):
+    def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None,
+                 input_ids: Sequence[int] = ()):
         self.max_new_tokens = max_new_tokens
         self.params = params
         self.end_id = end_id
+        self.history = history_for(input_ids, params)
+        self.log_probs: list[float] | None = [] if params.log_probs else None
         self.rng = call_rng(params.seed)
         self.tokens: list[int] = []
         self.rows: list[np.ndarray] = []
@@ -68,19 +77,24 @@ class PlainDecoding:
         self.fed = 0
 
     def next_token(self, logits: np.ndarray) -> int | None:
-        token = select_token(logits, self.params, self.rng)
+        scores, params = adjust(logits, self.params, self.history, self.end_id)
+        token = select_token(scores, params, self.rng)
+        if self.history is not None:
+            self.history.push(token)
         if token == self.end_id:
             self.finished, self.fed = True, len(self.tokens)
             return None
         self.tokens.append(token)
         self.rows.append(logits)
+        if self.log_probs is not None:
+            self.log_probs.append(token_log_prob(scores, params, token))
         if len(self.tokens) >= self.max_new_tokens:
             self.finished, self.fed = True, len(self.tokens) - 1
             return None
         return token
 
     def result(self) -> CallResult:
-        return CallResult(self.tokens, self.rows, self.fed)
+        return CallResult(self.tokens, self.rows, self.fed, self.log_probs)
 
 
 def generate(
@@ -89,10 +103,12 @@ def generate(
     max_new_tokens: int,
     params: SamplingParams,
     end_id: int | None,
+    input_ids: Sequence[int] = (),
 ) -> CallResult:
     """Plain decoding: ``step(token)`` feeds one token and returns the logits
-    of the next position; the first call feeds the prompt's last token."""
-    decoding = PlainDecoding(max_new_tokens, params, end_id)
+    of the next position; the first call feeds the prompt's last token
+    (``input_ids``: the whole input, which penalties count)."""
+    decoding = PlainDecoding(max_new_tokens, params, end_id, input_ids)
     feed: int | None = int(last_input)
     while feed is not None:
         feed = decoding.next_token(step(feed))
@@ -106,16 +122,20 @@ def verify(
     max_new_tokens: int,
     params: SamplingParams,
     end_id: int | None,
+    input_ids: Sequence[int] = (),
 ) -> CallResult:
     """Verification of k draft tokens from the target's logits [k + 1, vocab]
     (row i predicts the position of draft token i; row k the bonus)."""
     rng = call_rng(params.seed)
     drafts = [int(t) for t in draft_tokens]
+    rows, params = processed_rows(target_logits, drafts, params, end_id, input_ids)
     if draft_logits is None:
-        emitted = verify_by_matching(target_logits, drafts, params, rng)
+        emitted = verify_by_matching(rows, drafts, params, rng)
     else:
         q = np.stack([softmax(row) for row in np.asarray(draft_logits)])
-        emitted = verify_by_rejection(target_logits, q, drafts, params, rng)
+        emitted = verify_by_rejection(rows, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
     fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
-    return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed)
+    log_probs = [token_log_prob(rows[i], params, t) for i, t in enumerate(tokens)] if params.log_probs else None
+    return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed, log_probs)
+

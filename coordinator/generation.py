@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.api import Statistics
 from coordinator.config import CoordinatorSettings
@@ -16,7 +16,7 @@ from coordinator.governor import LoadGovernor
 from coordinator.loop import Engine, speculative_decode, with_deadline
 from coordinator.metrics import RequestMetrics
 from coordinator.policy import SpeculationPolicy
-from coordinator.request import GenerationRequest, check_context, check_prompt_size
+from coordinator.request import GenerationRequest, check_context, check_end_id, check_prompt_size
 from coordinator.rounds import Round
 from coordinator.text import CompletionText
 from coordinator.tokenizer import Codec
@@ -51,6 +51,7 @@ class Chunk:
     text: str
     final: bool
     stats: Stats
+    log_probs: list[float] | None = None  # the final chunk's, when the request asked for them
 
 
 async def generate_text(
@@ -74,6 +75,8 @@ async def generate_text(
     check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
+    check_end_id(request.end_id, codec.vocab_size)
+    sampling, draft_sampling = engine_sampling(request, codec, len(prompt_ids))
     costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
@@ -86,10 +89,11 @@ async def generate_text(
     )
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
-    end_ids = codec.special.eos_token_ids
+    log_probs: list[float] | None = [] if request.return_log_probs else None
+    end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
     drafter = make_drafter(
         request.drafter or settings.drafter,
-        model=lambda: ModelDrafter(draft, request.draft_sampling or request.sampling, tuple(end_ids),
+        model=lambda: ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids),
                                    catch_up_after=policy.max_window + 1,
                                    deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
         max_ngram=settings.prompt_lookup_max_ngram,
@@ -102,15 +106,18 @@ async def generate_text(
         drafter=drafter,
         target=target,
         policy=policy,
-        sampling=request.sampling,
+        sampling=sampling,
         end_ids=end_ids,
         plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
+        draft_distribution=request.draft_distribution,
     )
     costs.streams += 1  # the load the cost model plans for
     try:
         async with aclosing(rounds):
             async for round_ in rounds:
                 stats.add(round_)
+                if log_probs is not None:
+                    log_probs += round_.log_probs or ()
                 if policy.governor is not None:
                     policy.governor.emitted(len(round_.tokens), costs.streams)
                 stats.fallback_reason = policy.reason
@@ -120,10 +127,28 @@ async def generate_text(
                     raise RequestCancelled()
                 delta = text.append(round_.tokens, final=round_.finished)
                 if text.stopped or round_.finished:
-                    yield Chunk(delta, True, stats)
+                    yield Chunk(delta, True, stats, log_probs)
                     return
                 if delta:
                     yield Chunk(delta, False, stats)
     finally:
         costs.streams -= 1
-    yield Chunk(text.append([], final=True), True, stats)  # budget of 0 rounds cannot happen; kept for safety
+    yield Chunk(text.append([], final=True), True, stats, log_probs)  # budget of 0 rounds cannot happen; kept for safety
+
+
+def engine_sampling(request: GenerationRequest, codec: Codec, prompt_length: int):
+    """The request's target and draft sampling as the engines get them: its
+    penalties attached (bad words tokenized, min_length counted from the end
+    of the prompt; the draft samples with the same ones, so its drafts follow
+    the target's processed distribution), log probabilities asked of the
+    target alone."""
+    sampling, draft = request.sampling, request.draft_sampling
+    penalties = replace(request.penalties, prompt_length=prompt_length,
+                        bad_words=tuple(tuple(codec.encode_words(w)) for w in request.bad_word_texts))
+    if penalties.active:
+        sampling = replace(sampling, penalties=penalties)
+        draft = None if draft is None else replace(draft, penalties=penalties)
+    if request.return_log_probs:
+        draft = draft or sampling
+        sampling = replace(sampling, log_probs=True)
+    return sampling, draft

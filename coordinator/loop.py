@@ -64,6 +64,7 @@ WARMUP_STRETCH = 2
 class EngineOutput:
     tokens: list[int]  # end token excluded or not: the loop copes with both
     logits: np.ndarray | None = None  # [len(tokens), vocab] raw logits, when asked for
+    log_probs: list[float] | None = None  # each token's (sampling.log_probs), aligned with tokens
 
 
 class Engine(Protocol):
@@ -81,6 +82,11 @@ class Engine(Protocol):
         rejection sampling against softmax(``draft_logits``) [k, vocab] when
         given) and return the accepted prefix plus one token. ``sampling.seed``
         seeds this call alone."""
+        ...
+
+    def stream(self, input_ids: Sequence[int], max_new_tokens: int,
+               sampling: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Plain decoding in one call: the tokens (and log probabilities) as they are generated."""
         ...
 
 
@@ -127,18 +133,22 @@ async def speculative_decode(
     clock: Callable[[], float] = time.perf_counter,
     draft_timeout: float | None = None,
     plain_stretch: int = 1,
+    draft_distribution: bool = True,
 ) -> AsyncIterator[Round]:
     """``drafter`` proposes the drafts (coordinator/drafters.py); without it, the
     ``draft`` engine does, sampling as ``draft_sampling`` (defaults to
     ``sampling``; another temperature stays lossless because the target is told q).
     ``draft_timeout``: seconds a draft engine call may take (None or 0: no deadline).
-    ``plain_stretch``: most tokens one plain call may generate (1: a call per token)."""
+    ``plain_stretch``: most tokens one plain call may generate (1: a call per token).
+    ``draft_distribution``: a sampled request's drafts are verified against the
+    draft's distribution q (rejection sampling); False: by token matching (also
+    lossless, usually fewer tokens accepted)."""
     if drafter is None:
         if draft is None:
             raise ValueError("speculative_decode needs a drafter or a draft engine")
         drafter = ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids), policy.max_window + 1,
                                deadline=lambda call: with_deadline(call, draft_timeout), clock=clock)
-    want_distribution = not sampling.greedy
+    want_distribution = draft_distribution and not sampling.greedy
     costs = policy.costs
     free_drafter = any(name in FREE_DRAFTERS for name in drafter.uses)
     context = list(prompt_ids)
@@ -237,6 +247,7 @@ async def speculative_decode(
             matched = common_prefix_length(returned, drafts)
             emitted = before_end(returned[:remaining], end_ids)
             accepted = min(matched, len(emitted))
+            log_probs = _aligned(verified.log_probs, len(emitted), sampling)
             # an engine that returns the end token, or one that stops before it
             ended = len(emitted) < len(returned[:remaining]) or reached_end_by_count(
                 len(returned), matched, requested, verified=bool(drafts))
@@ -244,7 +255,8 @@ async def speculative_decode(
                            draft_seconds, target_seconds, drafter=proposal.drafter if drafts else "",
                            context=position, draft_sample=proposal.seconds if drafts else None,
                            target_sample=target_seconds if steady else None,
-                           alternatives=score_alternatives(proposal.alternatives, emitted) if drafts else ())
+                           alternatives=score_alternatives(proposal.alternatives, emitted) if drafts else (),
+                           log_probs=log_probs)
             context += emitted
             produced += len(emitted)
             yield report(round_)
@@ -278,11 +290,11 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
     got = 0
     ended = False
     async with aclosing(target.stream(context, stretch, replace(sampling, seed=seed))) as chunks:
-        async for tokens in chunks:
+        async for chunk in chunks:
             if ended or got >= stretch:
                 continue  # read the stream to its final response: that releases the engine's request at once
             now = clock()
-            tokens = [int(t) for t in tokens][: stretch - got]
+            tokens = [int(t) for t in chunk.tokens][: stretch - got]
             emitted = before_end(tokens, end_ids)
             ended = len(emitted) < len(tokens)
             got += len(tokens)
@@ -290,10 +302,20 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
             sample = now - last if steady or got > len(tokens) else None
             if emitted or ended:
                 yield Round(emitted, 0, 0, ended, 0.0, now - last, context=start + got - len(tokens),
-                            target_sample=sample)
+                            target_sample=sample, log_probs=_aligned(chunk.log_probs, len(emitted), sampling))
             last = now
     if not ended and got < stretch:  # fewer tokens than asked and no end token: the engine stopped at the end
         yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0, context=start + got)
+
+
+def _aligned(log_probs, count: int, sampling: SamplingParams) -> tuple[float, ...] | None:
+    """The first ``count`` log probabilities of a call that was asked for them."""
+    if not sampling.log_probs:
+        return None
+    if log_probs is None or len(log_probs) < count:
+        raise EngineError(f"the target returned {0 if log_probs is None else len(log_probs)} log probabilities "
+                          f"for {count} tokens")
+    return tuple(float(p) for p in log_probs[:count])
 
 
 async def with_deadline(call, timeout: float | None):

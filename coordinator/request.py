@@ -16,11 +16,13 @@ import numpy as np
 from coordinator.api import INPUT_NAMES
 from coordinator.config import CoordinatorSettings
 from coordinator.drafters import DRAFTERS
+from coordinator.penalties import NO_PENALTIES, Penalties
 from coordinator.sampling import SamplingParams
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 100.0
 
 
 
@@ -46,6 +48,11 @@ class GenerationRequest:
     stop_words: tuple[str, ...] = ()
     stream: bool = False
     drafter: str = ""  # who drafts ("": the server's drafter)
+    end_id: int | None = None  # the token that ends the completion (None: the model's end tokens)
+    draft_distribution: bool = True  # sampled requests: verify against q (False: by token matching)
+    penalties: Penalties = NO_PENALTIES  # bad_words still as text: bad_word_texts
+    bad_word_texts: tuple[str, ...] = ()
+    return_log_probs: bool = False
 
 
 def parse_request(
@@ -92,6 +99,17 @@ def parse_request(
         raise InputError(f"random_seed must be between 0 and 2^64-1, got {seed}")
 
     stop_words = _stop_words(inputs.get("stop_words"))
+    bad_words = _stop_words(inputs.get("bad_words"), "bad_words")
+    repetition = _float(inputs, "repetition_penalty", 1.0)
+    if not 0.0 < repetition <= MAX_PENALTY:
+        raise InputError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}] (1 = none), got {repetition:g}")
+    presence = _float(inputs, "presence_penalty", 0.0)
+    frequency = _float(inputs, "frequency_penalty", 0.0)
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InputError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g} (0 = none), got {value:g}")
+    min_length = _int_in_range(inputs, "min_length", 0, 0, settings.max_tokens_limit)
+    penalties = Penalties(repetition=repetition, presence=presence, frequency=frequency, min_length=min_length)
     stream_value = _scalar(inputs, "stream")
     stream = bool(stream_value) if stream_value is not None else False
     adaptive_value = _scalar(inputs, "adaptive_window")
@@ -102,10 +120,18 @@ def parse_request(
     if drafter not in DRAFTERS:
         raise InputError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
 
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    end_id = _int_in_range(inputs, "end_id", -1, 0, 2**31 - 1)
+    end_id = None if end_id < 0 else end_id  # checked against the vocabulary where the tokenizer is known
+    draft_logits_value = _scalar(inputs, "use_draft_logits")
+    draft_distribution = True if draft_logits_value is None else bool(draft_logits_value)
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, end_id=end_id)
     draft_sampling = None
     if draft_temperature != temperature:
-        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed)
+        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                        end_id=end_id)
+    if (penalties.active or bad_words) and not settings.speculate_with_penalties:
+        window = 0  # this server's engines are not known to verify such requests losslessly
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -116,6 +142,11 @@ def parse_request(
         stop_words=stop_words,
         stream=stream,
         drafter=drafter,
+        end_id=end_id,
+        draft_distribution=draft_distribution,
+        penalties=penalties,
+        bad_word_texts=bad_words,
+        return_log_probs=bool(_scalar(inputs, "return_log_probs") or False),
     )
 
 
@@ -135,6 +166,11 @@ def check_context(prompt_tokens: int, max_tokens: int, settings: CoordinatorSett
             f"text_input is {prompt_tokens} tokens; with max_tokens {max_tokens} that exceeds the context limit "
             f"of {settings.max_context_tokens} tokens (shorten the prompt or lower max_tokens)"
         )
+
+
+def check_end_id(end_id: int | None, vocab_size: int) -> None:
+    if end_id is not None and not 0 <= end_id < vocab_size:
+        raise InputError(f"end_id must be a token id between 0 and {vocab_size - 1}, got {end_id}")
 
 
 def check_prompt_size(prompt_bytes: int, max_token_bytes: int, settings: CoordinatorSettings) -> None:
@@ -200,18 +236,18 @@ def _utf8(name: str, value) -> str:
         raise InputError(f"{name} is not valid UTF-8 (invalid byte at offset {error.start})") from None
 
 
-def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:
+def _stop_words(value: np.ndarray | None, name: str = "stop_words") -> tuple[str, ...]:
     if value is None:
         return ()
     raw = np.asarray(value).reshape(-1)
     if raw.size > MAX_STOP_WORDS:
-        raise InputError(f"stop_words may hold at most {MAX_STOP_WORDS} strings, got {raw.size}")
-    words = [_utf8(f"stop_words[{i}]", w) for i, w in enumerate(raw)]
+        raise InputError(f"{name} may hold at most {MAX_STOP_WORDS} strings, got {raw.size}")
+    words = [_utf8(f"{name}[{i}]", w) for i, w in enumerate(raw)]
     for i, word in enumerate(words):
         if not word:
-            raise InputError(f"stop_words[{i}] is an empty string; stop words must not be empty")
+            raise InputError(f"{name}[{i}] is an empty string; {name.replace('_', ' ')} must not be empty")
         if len(word) > MAX_STOP_WORD_CHARS:
             raise InputError(
-                f"stop_words[{i}] is {len(word)} characters; stop words may be at most {MAX_STOP_WORD_CHARS}"
+                f"{name}[{i}] is {len(word)} characters; {name.replace('_', ' ')} may be at most {MAX_STOP_WORD_CHARS}"
             )
     return tuple(words)

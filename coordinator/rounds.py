@@ -32,6 +32,7 @@ class Round:
     # this round's tokens, (drafter, accepted, rejected) each: evidence for a free
     # drafter the round did not use (Proposal.alternatives).
     alternatives: tuple[tuple[str, int, bool], ...] = ()
+    log_probs: tuple[float, ...] | None = None  # each token's, when the request asked for them
 
     @property
     def speculative(self) -> bool:

@@ -18,9 +18,12 @@ import hashlib
 import random
 import struct
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from coordinator.penalties import Penalties
 
 ROLES = ("draft", "target")
 
@@ -33,6 +36,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter; 1: greedy
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int = 0
+    end_id: int | None = None  # the engine's end token (None: the model's own)
+    penalties: Penalties | None = None  # context-dependent processing (coordinator/penalties.py)
+    log_probs: bool = False  # the engine reports each generated token's log probability
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +124,21 @@ def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
     return probs
+
+
+def token_log_prob(logits: np.ndarray, params: SamplingParams, token: int) -> float:
+    """log p(token) as TensorRT-LLM reports it in ``output_log_probs``: the
+    softmax of the logits after temperature (and penalties), before top-k and
+    top-p truncation (samplingTopKKernels.cu: "NOT normalized (same way as
+    OpenAI does)"). Greedy calls run at temperature 1."""
+    scores = _scores(logits)
+    temperature = 1.0 if params.greedy or params.temperature <= 0.0 else params.temperature
+    top = scores.max()
+    if not np.isfinite(top):
+        return 0.0 if scores[token] == top else float("-inf")
+    with np.errstate(over="ignore", divide="ignore"):
+        scaled = (scores - top) / temperature
+        return float(scaled[token] - np.log(np.exp(scaled).sum()))
 
 
 def inverse_cdf(probs: np.ndarray, u: float) -> int:

@@ -50,10 +50,14 @@ class Codec:
         of n bytes has at least n / max_token_bytes tokens, which bounds the
         prompt size worth tokenizing at all."""
         if self._max_token_bytes is None:
-            size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+            size = self.vocab_size
             texts = self._tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
             self._max_token_bytes = max(1, max(len(t.encode("utf-8")) for t in texts))
         return self._max_token_bytes
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def text_bytes(self, text: str) -> int:
         """UTF-8 length of ``text`` as the tokenizer's model sees it (after its
@@ -74,6 +78,11 @@ class Codec:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_words(self, text: str) -> list[int]:
+        """``text`` as a word list entry: no special tokens, as NVIDIA's
+        preprocessing tokenizes stop and bad words."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -33,7 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from coordinator.config import CoordinatorSettings
 from coordinator.costmodel import CostModel
-from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits
+from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits, output_log_probs
 from coordinator.generation import Chunk, RequestCancelled, generate_text
 from coordinator.governor import LoadGovernor
 from coordinator.loop import EngineError, EngineOutput
@@ -74,67 +74,79 @@ class BlsEngine:
     ) -> EngineOutput:
         tensors = self._inputs(input_ids, max_new_tokens, sampling, draft_tokens=draft_tokens,
                                draft_logits=draft_logits, return_logits=return_logits)
-        tokens, logits = [], []
-        async with aclosing(self._responses(tensors, return_logits)) as responses:
+        tokens, logits, log_probs = [], [], []
+        async with aclosing(self._responses(tensors, return_logits, sampling.log_probs)) as responses:
             async for response in responses:
                 new = _tokens(response)
                 if new is None:  # a decoupled model's final flag alone
                     continue
                 tokens += new
+                if sampling.log_probs:
+                    log_probs += _log_probs(response, len(new), self.model_name)
                 if return_logits:
                     tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
                     if tensor is None:
                         raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
                     logits.append(generation_logits(tensor.as_numpy(), len(new)))
+        reported = log_probs if sampling.log_probs else None
         if not return_logits:
-            return EngineOutput(tokens, None)
-        return EngineOutput(tokens, np.concatenate(logits) if logits else np.zeros((0, 0), dtype=np.float32))
+            return EngineOutput(tokens, None, reported)
+        return EngineOutput(tokens, np.concatenate(logits) if logits else np.zeros((0, 0), dtype=np.float32),
+                            reported)
 
     async def stream(self, input_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams):
         """Plain decoding; the tokens as the engine generates them (one call)."""
         tensors = self._inputs(input_ids, max_new_tokens, sampling, streaming=self.decoupled)
-        async with aclosing(self._responses(tensors, False)) as responses:
+        async with aclosing(self._responses(tensors, False, sampling.log_probs)) as responses:
             async for response in responses:
                 new = _tokens(response)
                 if new:
-                    yield new
+                    log_probs = _log_probs(response, len(new), self.model_name) if sampling.log_probs else None
+                    yield EngineOutput(new, None, log_probs)
 
     def _inputs(self, input_ids, max_new_tokens, sampling, **options) -> dict:
-        return engine_inputs(input_ids, max_new_tokens, sampling, end_id=self.special.end_id,
+        end_id = self.special.end_id if sampling.end_id is None else sampling.end_id
+        return engine_inputs(input_ids, max_new_tokens, sampling, end_id=end_id,
                              pad_id=self.special.pad_token_id, seed_input=self.seed_input, **options)
 
-    async def _responses(self, tensors: dict, return_logits: bool):
+    def _responses(self, tensors: dict, return_logits: bool, return_log_probs: bool = False):
         """The call's responses: one from a model that is not decoupled, a stream from one that is."""
-        outputs = list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
-        request = pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
-            requested_output_names=outputs,
-        )
-        loop = asyncio.get_running_loop()
-        if self.decoupled:
-            stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+        outputs = (list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
+                   + (["output_log_probs"] if return_log_probs else []))
+        return bls_responses(self.model_name, tensors, outputs, self.decoupled)
 
-            async def next_response():  # blocks until the engine answers: read off the event loop
-                return await loop.run_in_executor(_engine_calls, next, stream, None)
-        else:
-            single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
 
-            async def next_response():  # already here: no thread hop
-                return next(single, None)
+async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
+    """The responses of a BLS call to ``model_name`` (raises EngineError on an error response)."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
+        requested_output_names=list(outputs),
+    )
+    loop = asyncio.get_running_loop()
+    if decoupled:
+        stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+
+        async def next_response():  # blocks until the model answers: read off the event loop
+            return await loop.run_in_executor(_engine_calls, next, stream, None)
+    else:
+        single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
+
+        async def next_response():  # already here: no thread hop
+            return next(single, None)
+    try:
+        while (response := await next_response()) is not None:
+            if response.has_error():
+                raise EngineError(f"{model_name}: {response.error().message()}")
+            yield response
+    finally:
+        # A reader that stops early (a cancelled request, a stop word) still
+        # takes the rest of the stream, so the model's request is released;
+        # bounded, because a stream whose request Triton cancelled may never end.
         try:
-            while (response := await next_response()) is not None:
-                if response.has_error():
-                    raise EngineError(f"{self.model_name}: {response.error().message()}")
-                yield response
-        finally:
-            # A reader that stops early (a cancelled request, a stop word) still
-            # takes the rest of the stream, so the engine's request is released;
-            # bounded, because a stream whose request Triton cancelled may never end.
-            try:
-                await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
-            except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
-                log.info("%s: left an engine stream unread: %r", self.model_name, error)
+            await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
+        except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
+            log.info("%s: left a response stream unread: %r", model_name, error)
 
 
 def _tokens(response) -> list[int] | None:
@@ -144,6 +156,13 @@ def _tokens(response) -> list[int] | None:
         return None
     lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
     return generated_tokens(output_ids.as_numpy(), lengths)
+
+
+def _log_probs(response, tokens: int, model_name: str) -> list[float]:
+    tensor = pb_utils.get_output_tensor_by_name(response, "output_log_probs")
+    if tensor is None:
+        raise EngineError(f"{model_name}: output_log_probs were requested but not returned")
+    return output_log_probs(tensor.as_numpy(), tokens)
 
 
 async def _drain(next_response) -> None:
@@ -268,4 +287,8 @@ def _response(text: str, final: Chunk | None):
     tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
     if final is not None:
         tensors += [pb_utils.Tensor(name, array) for name, array in final.stats.outputs().items()]
+        if final.log_probs is not None:
+            values = np.asarray(final.log_probs, dtype=np.float32)
+            tensors += [pb_utils.Tensor("output_log_probs", values),
+                        pb_utils.Tensor("cum_log_probs", np.array([values.sum()], dtype=np.float32))]
     return pb_utils.InferenceResponse(output_tensors=tensors)

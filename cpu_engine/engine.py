@@ -101,6 +101,7 @@ class EngineResult:
     tokens: list[int]
     logits: np.ndarray | None = None  # [len(tokens), vocab] float32
     reused_tokens: int = 0  # prompt tokens served from the KV-cache pool
+    log_probs: list[float] | None = None  # each token's, when the request asked (return_log_probs)
 
 
 def release_free_heap() -> bool:
@@ -217,7 +218,7 @@ class CausalLMEngine:
         if call.return_logits:
             rows = [np.asarray(row, dtype=np.float32) for row in call.result.logits]
             logits = np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
-        return EngineResult(list(call.result.tokens), logits, call.reused)
+        return EngineResult(list(call.result.tokens), logits, call.reused, call.result.log_probs)
 
     def _check(self, request: EngineRequest, input_ids: np.ndarray, drafts: list[int]) -> None:
         if input_ids.size == 0:

@@ -57,7 +57,8 @@ class Call:
 
     def __post_init__(self):
         self.prefilled = self.reused
-        self.plain = None if self.drafts else PlainDecoding(self.max_new_tokens, self.sampling, self.end_id)
+        self.plain = None if self.drafts else PlainDecoding(self.max_new_tokens, self.sampling, self.end_id,
+                                                            self.input_ids)
         self.feed = [int(self.input_ids[-1]), *self.drafts]  # rows of the first decode forward
 
     @property
@@ -78,7 +79,7 @@ class Call:
             return
         if self.plain is None:
             self.result = engine_semantics.verify(logits, self.drafts, self.draft_logits, self.max_new_tokens,
-                                                  self.sampling, self.end_id)
+                                                  self.sampling, self.end_id, self.input_ids)
             return
         before = len(self.plain.tokens)
         following = self.plain.next_token(logits[-1])

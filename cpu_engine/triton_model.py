@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from coordinator.config import expand_env
 from cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from cpu_engine.faults import FaultConfigError, FaultInjector
+from coordinator.penalties import Penalties, read_word_list
 from coordinator.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,8 @@ class TritonPythonModel:
         as TensorRT-LLM's last streamed response carries it: no response is a flag alone."""
         if not call.finished:
             sender, _ = self._senders[id(call)]
-            _send(sender, tokens, None, flags=0)
+            log_probs = None if call.plain.log_probs is None else call.plain.log_probs[-len(tokens):]
+            _send(sender, tokens, None, flags=0, log_probs=log_probs)
             self._streamed[id(call)] = self._streamed.get(id(call), 0) + len(tokens)
 
     def _answer(self, call) -> None:
@@ -154,10 +156,11 @@ class TritonPythonModel:
             log.error("%s: call failed: %s", self.name, error)
             _send_error(sender, f"{self.name}: internal error: {error}")
             return
-        tokens, logits = result.tokens, result.logits
+        tokens, logits, log_probs = result.tokens, result.logits, result.log_probs
         if streaming and call.plain is not None:  # the earlier tokens went out as they came
             tokens, logits = tokens[streamed:], None
-        _send(sender, tokens, logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            log_probs = None if log_probs is None else log_probs[streamed:]
+        _send(sender, tokens, logits, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log_probs=log_probs)
 
     def _report(self, forwards: int = 0, seconds: float = 0.0) -> None:
         """Update the metrics after a step that ran ``forwards`` forwards in ``seconds``."""
@@ -189,12 +192,16 @@ def join_wait(forward_seconds: float) -> float:
     return min(0.05 * forward_seconds, 0.02)
 
 
-def _send(sender, tokens, logits, flags) -> None:
+def _send(sender, tokens, logits, flags, log_probs=None) -> None:
     n = len(tokens)
     outputs = [
         pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, n)),
         pb_utils.Tensor("sequence_length", np.asarray([[n]], dtype=np.int32)),
     ]
+    if log_probs is not None:  # as TensorRT-LLM's: [batch, beam, n] and their sum [batch, beam]
+        values = np.asarray(log_probs, dtype=np.float32)[:n]
+        outputs.append(pb_utils.Tensor("output_log_probs", values.reshape(1, 1, -1)))
+        outputs.append(pb_utils.Tensor("cum_log_probs", np.asarray([[values.sum()]], dtype=np.float32)))
     if logits is not None:
         outputs.append(pb_utils.Tensor("generation_logits", logits.astype(np.float32).reshape(1, 1, n, -1)))
     sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
@@ -265,6 +272,17 @@ def _read_request(request) -> EngineRequest:
     end_id = _scalar(request, "end_id", None)
     # Like TensorRT-LLM: neither top-k nor top-p given means greedy decoding.
     unfiltered = _optional(request, "runtime_top_k") is None and _optional(request, "runtime_top_p") is None
+    bad_words = _optional(request, "bad_words_list")
+    penalties = Penalties(
+        repetition=float(_scalar(request, "repetition_penalty", 1.0)),
+        presence=float(_scalar(request, "presence_penalty", 0.0)),
+        frequency=float(_scalar(request, "frequency_penalty", 0.0)),
+        min_length=int(_scalar(request, "min_length", 0)),
+        bad_words=() if bad_words is None or bad_words.size == 0 else read_word_list(bad_words),
+        prompt_length=length,  # min_length counts from this call's input, as TensorRT-LLM's
+    )
+    if penalties.repetition <= 0.0:
+        raise EngineRequestError(f"repetition_penalty must be > 0, got {penalties.repetition:g}")
     return EngineRequest(
         input_ids=input_ids[:length],
         max_new_tokens=int(_scalar(request, "request_output_len", 1)),
@@ -273,6 +291,8 @@ def _read_request(request) -> EngineRequest:
             top_k=1 if unfiltered else int(_scalar(request, "runtime_top_k", 0)),
             top_p=float(_scalar(request, "runtime_top_p", 1.0)),
             seed=int(_scalar(request, "random_seed", 0)),
+            penalties=penalties if penalties.active else None,
+            log_probs=bool(_scalar(request, "return_log_probs", False)),
         ),
         end_id=None if end_id is None else int(end_id),
         draft_tokens=None if drafts is None or drafts.size == 0 else drafts.reshape(-1),

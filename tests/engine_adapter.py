@@ -7,6 +7,7 @@ import numpy as np
 
 from cpu_engine.engine import CausalLMEngine, EngineRequest
 from coordinator.loop import EngineOutput
+from coordinator.penalties import for_engine_call
 from coordinator.sampling import SamplingParams
 
 
@@ -17,20 +18,27 @@ class LocalEngine:
 
     async def generate(self, input_ids, max_new_tokens, sampling: SamplingParams, draft_tokens=(),
                        draft_logits=None, return_logits=False):
+        sampling = for_engine_call(sampling, len(input_ids))  # what the call's inputs carry
         result = self.engine.run(EngineRequest(
             np.asarray(input_ids, dtype=np.int32), max_new_tokens, sampling=sampling, end_id=self.end_id,
             draft_tokens=np.asarray(draft_tokens, dtype=np.int32) if len(draft_tokens) else None,
             draft_logits=draft_logits, return_logits=return_logits,
         ))
-        return EngineOutput(result.tokens, result.logits)
+        return EngineOutput(result.tokens, result.logits, result.log_probs)
 
     async def stream(self, input_ids, max_new_tokens, sampling: SamplingParams):
         """Plain decoding in one call, its tokens one at a time as the engine generates them."""
-        streamed: list[list[int]] = []
+        streamed: list[EngineOutput] = []
+        sampling = for_engine_call(sampling, len(input_ids))
+
+        def on_tokens(call, tokens):
+            log_probs = None if call.plain.log_probs is None else call.plain.log_probs[-len(tokens):]
+            streamed.append(EngineOutput(list(tokens), None, log_probs))
+
         call = self.engine.submit(
             EngineRequest(np.asarray(input_ids, dtype=np.int32), max_new_tokens, sampling=sampling,
                           end_id=self.end_id),
-            on_tokens=lambda _, tokens: streamed.append(list(tokens)))
+            on_tokens=on_tokens)
         while not call.finished:
             self.engine.step()
             while streamed:

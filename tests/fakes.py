@@ -9,6 +9,7 @@ import numpy as np
 
 from coordinator import engine_semantics
 from coordinator.loop import EngineOutput
+from coordinator.penalties import for_engine_call
 from coordinator.sampling import SamplingParams
 
 VOCAB = 50
@@ -51,11 +52,13 @@ class ToyEngine:
         self.seeds.append(sampling.seed)
         end_id = None if self.returns_end_token else self.end_id
         context = list(input_ids)
+        sampling = for_engine_call(sampling, len(context))  # what the engine call's inputs carry
         if draft_tokens:
             rows = np.stack([self.logits_fn(context + list(draft_tokens[:i])) for i in range(len(draft_tokens) + 1)])
             if draft_logits is not None:
                 self.received_draft_logits.append(np.asarray(draft_logits))
-            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id)
+            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id,
+                                           input_ids=context)
             tokens, logit_rows = list(call.tokens), list(call.logits)
             own = len(tokens) - call.fed
             if self.continues_after_verify and own > 0 and len(tokens) < max_new_tokens:
@@ -70,14 +73,20 @@ class ToyEngine:
         if self.returns_end_token and self.end_id in tokens:
             tokens = tokens[: tokens.index(self.end_id) + 1]
             logit_rows = logit_rows[: len(tokens)]
-        return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None)
+        log_probs = None
+        if sampling.log_probs:
+            log_probs = list(call.log_probs or [])
+            if draft_tokens and self.continues_after_verify and len(tokens) > len(log_probs):
+                log_probs += list(more.log_probs or [])
+            log_probs = log_probs[: len(tokens)]
+        return EngineOutput(tokens, np.stack(logit_rows) if return_logits and logit_rows else None, log_probs)
 
     async def stream(self, input_ids, max_new_tokens, sampling: SamplingParams):
         """Plain decoding in one call, a token at a time (as a streaming engine answers)."""
         self.streamed.append(max_new_tokens)
         output = await self.generate(input_ids, max_new_tokens, sampling)
-        for token in output.tokens:
-            yield [token]
+        for i, token in enumerate(output.tokens):
+            yield EngineOutput([token], None, None if output.log_probs is None else output.log_probs[i:i + 1])
 
     def _plain(self, context, max_new_tokens, sampling, end_id):
         fed: list[int] = []
@@ -86,7 +95,7 @@ class ToyEngine:
             fed.append(token)
             return self.logits_fn(context + fed[1:])
 
-        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id)
+        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id, input_ids=context)
 
 
 def noisy(logits_fn, flip_every: int, salt: int = 7):

@@ -144,8 +144,8 @@ def test_a_stream_read_in_part_is_drained_off_the_event_loop(bls):
     engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
 
     async def first_only():
-        async for tokens in engine.stream([9], 3, SamplingParams()):
-            return tokens
+        async for chunk in engine.stream([9], 3, SamplingParams()):
+            return chunk.tokens
 
     assert asyncio.run(first_only()) == [1]
     assert backend.iterators[0]._responses == []  # the rest was read, so the engine releases the request

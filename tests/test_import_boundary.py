@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "coordinator"
-ADAPTERS = {"triton_bls"}  # the Triton shim of the coordinator model
+ADAPTERS = {"triton_bls", "triton_nvidia"}  # the Triton shims of the coordinator and tensorrt_llm_bls models
 FORBIDDEN = ("torch", "transformers", "triton_python_backend_utils", "tritonclient", "tritonserver")
 
 

@@ -19,9 +19,10 @@ GREEDY = SamplingParams()
 
 
 def run(prompt, max_new, draft, target, window=4, threshold=0.0, sampling=GREEDY, end_ids=(999,), policy=None,
-        draft_sampling=None, clock=None):
+        draft_sampling=None, clock=None, draft_distribution=True):
     policy = policy or SpeculationPolicy(window, threshold, adaptive=False, first_round_plain=False)
     extra = {"clock": clock} if clock else {}
+    extra["draft_distribution"] = draft_distribution
 
     async def collect():
         return [r async for r in speculative_decode(
@@ -63,6 +64,40 @@ def test_greedy_requests_send_no_draft_logits():
     target = ToyEngine()
     run([5], 20, ToyEngine(), target, window=4)
     assert target.received_draft_logits == []
+
+
+def test_a_sampled_request_can_be_verified_by_token_matching_instead():
+    """use_draft_logits false (NVIDIA's BLS input): no draft distribution is
+    sent; the target keeps its own samples, so the output is still the target's."""
+    sampling = SamplingParams(temperature=0.8, seed=77)
+    target = ToyEngine()
+    rounds, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), target, window=4, sampling=sampling,
+                    draft_distribution=False)
+    again, _ = run([5], 30, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=4, sampling=sampling,
+                   draft_distribution=False)
+    assert target.received_draft_logits == [] and sum(r.drafted for r in rounds) > 0
+    assert tokens_of(rounds) == tokens_of(again) and len(tokens_of(rounds)) == 30
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(log_probs=True),
+                                      SamplingParams(temperature=0.8, top_k=5, seed=3, log_probs=True)])
+def test_log_probs_are_the_targets_whether_a_token_was_drafted_or_not(sampling):
+    """Each emitted token's log probability is log softmax of the target's
+    row at its context (temperature applied, before top-k), as TensorRT-LLM's
+    output_log_probs; greedy speculation reports exactly plain decoding's."""
+    from coordinator.sampling import token_log_prob
+
+    prompt = [5, 1]
+    rounds, _ = run(prompt, 20, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=3, sampling=sampling)
+    tokens = tokens_of(rounds)
+    reported = [p for r in rounds for p in r.log_probs]
+    assert len(reported) == len(tokens) == 20 and any(r.drafted for r in rounds)
+    for i, token in enumerate(tokens):
+        expected = token_log_prob(toy_logits(prompt + tokens[:i]), sampling, token)
+        assert reported[i] == pytest.approx(expected, abs=1e-12)
+    if sampling.greedy:
+        plain, _ = run(prompt, 20, ToyEngine(), ToyEngine(), window=0, sampling=sampling)
+        assert [p for r in plain for p in r.log_probs] == reported
 
 
 def test_a_perfect_draft_is_always_accepted_when_sampling():

@@ -21,8 +21,11 @@ from tests._config_helpers import (
 CONFIGS = config_paths()
 
 # Parameters of the coordinator that may differ between profiles, with the reason.
-# None today: the engines speak one contract, so the coordinator runs unchanged.
-COORDINATOR_PROFILE_DIFFERENCES: dict[str, str] = {}
+COORDINATOR_PROFILE_DIFFERENCES: dict[str, str] = {
+    "speculate_with_penalties": "lossless only where the target engine counts drafted tokens in each verified "
+                                "position's penalties: checked for the CPU engine, to be checked on a GPU for "
+                                "TensorRT-LLM (docs/gpu.md)",
+}
 
 
 def test_every_model_has_every_profile():
@@ -39,7 +42,7 @@ def test_config_parses_into_model_config(path):
     config = load_config(path)
     model = path.parent.parent.name
     assert config.name == model, f"{path}: name {config.name!r} differs from its directory"
-    assert config.backend, f"{path}: no backend"
+    assert config.backend or config.platform == "ensemble", f"{path}: no backend"
     assert len(config.input) > 0 and len(config.output) > 0
 
 

@@ -436,6 +436,19 @@ def test_a_plain_softmax_of_the_sent_log_probs_is_the_drafts_distribution(draft_
             assert np.allclose(softmax(row), q, atol=1e-6, rtol=0)
 
 
+def test_token_log_prob_is_the_full_softmax_after_temperature():
+    """samplingTopKKernels.cu: output_log_probs are not renormalized over the top-k."""
+    from coordinator.sampling import token_log_prob
+
+    logits = np.array([1.0, 3.0, -2.0, 0.5])
+    params = SamplingParams(temperature=0.5, top_k=2)
+    scaled = logits / 0.5
+    expected = scaled - np.log(np.exp(scaled).sum())
+    assert [token_log_prob(logits, params, t) for t in range(4)] == pytest.approx(list(expected))
+    greedy = logits - np.log(np.exp(logits).sum())
+    assert token_log_prob(logits, SamplingParams(), 1) == pytest.approx(greedy[1])
+
+
 def test_draft_log_probs_refuses_a_wrong_shape():
     with pytest.raises(ValueError, match=r"\[k, vocab\]"):
         draft_log_probs(np.zeros(5), SAMPLED)

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.request import InputError, check_context, check_parameters, check_prompt_size, parse_request
+from coordinator.request import (InputError, check_context, check_end_id, check_parameters, check_prompt_size,
+                                 parse_request)
 
 SETTINGS = CoordinatorSettings(speculation_window=5, max_tokens_limit=1024, max_context_tokens=4096)
 
@@ -20,6 +21,18 @@ def test_defaults():
     assert request.sampling.greedy and request.sampling.seed == 42
     assert not request.stream and request.stop_words == ()
     assert request.adaptive_window and request.draft_sampling is None
+    assert request.end_id is None and request.sampling.end_id is None and request.draft_distribution
+
+
+def test_end_id_goes_to_the_engines_and_use_draft_logits_to_the_verification():
+    request = parse(text_input=np.array([b"x"], dtype=object), end_id=np.array([13], np.int32),
+                    use_draft_logits=np.array([False]), temperature=np.array([0.5], np.float32),
+                    draft_temperature=np.array([0.9], np.float32))
+    assert request.end_id == 13 and request.sampling.end_id == 13 and request.draft_sampling.end_id == 13
+    assert not request.draft_distribution
+    check_end_id(13, vocab_size=14)
+    with pytest.raises(InputError, match="end_id must be a token id between 0 and 13, got 14"):
+        check_end_id(14, vocab_size=14)
 
 
 def test_adaptive_window_defaults_to_the_server_setting():
@@ -86,6 +99,7 @@ def test_all_fields():
         ({"top_p": np.array([np.inf], np.float32)}, "top_p must be a finite number"),
         ({"stop_words": np.array([b"x"] * 17, dtype=object)}, "stop_words may hold at most 16"),
         ({"bogus": np.array([1])}, "unknown input(s) bogus"),
+        ({"end_id": np.array([-1], np.int32)}, "end_id must be between 0 and 2147483647, got -1"),
         ({"draft_temperature": np.array([-1.0], np.float32)}, "draft_temperature must be between 0 and 100"),
         ({"draft_temperature": np.array([0.5], np.float32)}, "draft_temperature needs a sampled request"),
     ],
