@@ -27,7 +27,8 @@ UINT64 = (0, 2**64 - 1)
 
 # Coordinator inputs a request may set under their own names (the ``openai``
 # package's extra_body, AIPerf's --extra-inputs).
-EXTENSIONS = ("speculation_window", "adaptive_window", "drafter", "draft_temperature", "top_k")
+EXTENSIONS = ("speculation_window", "adaptive_window", "drafter", "draft_temperature", "top_k",
+              "repetition_penalty", "min_length")
 
 # OpenAI fields this server cannot honour: why, and the values that ask for
 # nothing (accepted; so is null).
@@ -38,8 +39,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "logprobs": ("the coordinator returns text, not log-probabilities", (False,)),
     "top_logprobs": ("the coordinator returns text, not log-probabilities", (0,)),
     "logit_bias": ("the coordinator samples from the target model's own distribution", ({},)),
-    "presence_penalty": ("the coordinator samples from the target model's own distribution", (0,)),
-    "frequency_penalty": ("the coordinator samples from the target model's own distribution", (0,)),
     "suffix": ("there is no fill-in-the-middle", ("",)),
     "tools": ("there is no tool calling", ([],)),
     "tool_choice": ("there is no tool calling", ("none",)),
@@ -153,9 +152,12 @@ def _generation(body: Mapping, *, chat: bool, max_tokens_field: str, default_max
     inputs["max_tokens"] = max_tokens
     if max_tokens_field != "max_tokens":
         fields["max_tokens"] = max_tokens_field
-    for name in ("temperature", "top_p", "draft_temperature"):
+    # presence_penalty and frequency_penalty count the prompt's tokens too, as
+    # TensorRT-LLM's penalties do (coordinator/penalties.py)
+    for name in ("temperature", "top_p", "draft_temperature", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         inputs[name] = _number(body, name)
-    for name in ("speculation_window", "top_k"):
+    for name in ("speculation_window", "top_k", "min_length"):
         inputs[name] = _integer(body, name, *INT32)
     inputs["adaptive_window"] = _boolean(body, "adaptive_window")
     inputs["drafter"] = _string(body, "drafter")

@@ -132,7 +132,7 @@ def test_a_coordinator_refusal_is_a_bad_request_naming_the_field(client, stream)
 @pytest.mark.parametrize("options,param", [
     ({"n": 2}, "n"),
     ({"logprobs": 2}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 5e9}, "presence_penalty"),
     ({"extra_body": {"speculation_window": 99}}, "speculation_window"),
     ({"extra_body": {"ignore_eos": True}}, "ignore_eos"),
 ])

@@ -131,7 +131,7 @@ def test_a_value_of_the_wrong_kind_is_refused_naming_its_field(field, value, wor
 
 @pytest.mark.parametrize("field,value", [
     ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", 1), ("logprobs", 0), ("logit_bias", {"50256": -100}),
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("suffix", "return x"),
+    ("suffix", "return x"),
 ])
 def test_completion_fields_that_would_change_the_output_are_refused_by_name(field, value):
     error = refusal(completion, **{field: value})
@@ -141,11 +141,17 @@ def test_completion_fields_that_would_change_the_output_are_refused_by_name(fiel
 
 @pytest.mark.parametrize("field,value", [
     ("n", 3), ("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.1), ("reasoning_effort", "low"),
+    ("response_format", {"type": "json_object"}), ("reasoning_effort", "low"),
 ])
 def test_chat_fields_that_would_change_the_output_are_refused_by_name(field, value):
     error = refusal(chat, **{field: value})
     assert error.status == 400 and error.param == field and "is not supported" in error.message
+
+
+def test_penalties_reach_the_coordinator_under_its_input_names():
+    generation = completion(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_length=3)
+    assert generation.inputs["presence_penalty"] == 0.5 and generation.inputs["frequency_penalty"] == -1
+    assert generation.inputs["repetition_penalty"] == 1.2 and generation.inputs["min_length"] == 3
 
 
 @pytest.mark.parametrize("fields", [
