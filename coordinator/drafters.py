@@ -79,13 +79,6 @@ class Drafter(Protocol):
         drafter; ``using`` names the candidate to propose with (None: the preferred one)."""
         ...
 
-    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
-        """log q of the drafted tokens: the draft's raw logits processed as its
-        sampler processed them (penalties included, each row after the tokens before it)."""
-        end_id = self.end_ids[0] if self.end_ids else None
-        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
-        return draft_log_probs(rows, params)
-
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         """Work worth starting in the background before the first proposal (None: nothing)."""
         ...
@@ -179,13 +172,6 @@ class PromptLookupDrafter:
         _, tokens = self.match(context, k)
         return Proposal(self.name, tokens, None, self.clock() - started)
 
-    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
-        """log q of the drafted tokens: the draft's raw logits processed as its
-        sampler processed them (penalties included, each row after the tokens before it)."""
-        end_id = self.end_ids[0] if self.end_ids else None
-        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
-        return draft_log_probs(rows, params)
-
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         return None
 
@@ -221,13 +207,6 @@ class HybridDrafter:
         proposal = await self.model.propose(context, k, seed, distribution)
         _, alternative = self.lookup.match(context, k + 1)  # the round emits k + 1 tokens at most
         return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
-
-    def _log_q(self, logits: np.ndarray, context: list[int], tokens: list[int]) -> np.ndarray:
-        """log q of the drafted tokens: the draft's raw logits processed as its
-        sampler processed them (penalties included, each row after the tokens before it)."""
-        end_id = self.end_ids[0] if self.end_ids else None
-        rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
-        return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
         # Where prompt lookup has a match the text is likely copying: the draft
