@@ -36,8 +36,9 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "n": ("this server returns one choice per request", (1,)),
     "best_of": ("this server returns one choice per request", (1,)),
     "echo": ("the completion never includes the prompt", (False,)),
-    "logprobs": ("the coordinator returns text, not log-probabilities", (False,)),
-    "top_logprobs": ("the coordinator returns text, not log-probabilities", (0,)),
+    "logprobs": ("the coordinator reports each token's log probability, not the token texts and "
+                 "alternatives OpenAI's logprobs carry", (False,)),
+    "top_logprobs": ("the coordinator does not report the alternatives to a token", (0,)),
     "logit_bias": ("the coordinator samples from the target model's own distribution", ({},)),
     "suffix": ("there is no fill-in-the-middle", ("",)),
     "tools": ("there is no tool calling", ([],)),
