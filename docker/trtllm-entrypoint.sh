@@ -150,8 +150,9 @@ fi
 
 # The engine watchdog: a one-token probe straight to target and draft every
 # 5 s; an engine that fails two in a row (an executor or orchestrator process
-# died, or it stopped answering for 30 s) is unloaded and loaded again through
-# the model-repository API. Only this process gets the admin key, in its own
+# died, or it stopped answering for 30 s) is loaded again through the
+# model-repository API (the target unloaded first, so the server is not ready
+# meanwhile; the draft in place). Only this process gets the admin key, in its own
 # environment (the watchdog drops it from there at start).
 if [ "${SPECDEC_WATCHDOG:-1}" != "0" ]; then
     SPECDEC_ADMIN_KEY="${admin_key}" python3 -m selfheal.watchdog --detect probe --probe-interval 5 \

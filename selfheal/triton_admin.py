@@ -5,22 +5,28 @@ it), which only the launcher and the watchdog hold."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 ADMIN_KEY_HEADER = "specdec-admin-key"  # launcher.launch.ADMIN_KEY_HEADER (tests keep them equal)
+# A config parameter whose new value makes Triton load a model again: a load
+# of a loaded model with an unchanged config does nothing. The engines ignore it.
+GENERATION_PARAMETER = "reload_generation"
 
 
 class AdminError(RuntimeError):
     pass
 
 
-def _post(url: str, body: dict, admin_key: str, timeout: float) -> None:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+def _call(url: str, body: dict | None, admin_key: str, timeout: float) -> bytes:
+    """POST ``body`` (GET when None) with the admin key; the response body."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                      headers={ADMIN_KEY_HEADER: admin_key, "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
+            return response.read()
     except urllib.error.HTTPError as error:
         detail = error.read().decode(errors="replace").strip()
         raise AdminError(f"{url}: HTTP {error.code} {detail}") from None
@@ -30,18 +36,29 @@ def _post(url: str, body: dict, admin_key: str, timeout: float) -> None:
 
 def unload(http_url: str, model: str, admin_key: str, timeout: float) -> None:
     """Unload ``model`` alone (models that call it, like the coordinator, stay)."""
-    _post(f"{http_url}/v2/repository/models/{model}/unload", {"parameters": {"unload_dependents": False}},
+    _call(f"{http_url}/v2/repository/models/{model}/unload", {"parameters": {"unload_dependents": False}},
           admin_key, timeout)
 
 
 def load(http_url: str, model: str, admin_key: str, timeout: float) -> None:
     """Load ``model`` from the repository; returns once it is ready (or raises)."""
-    _post(f"{http_url}/v2/repository/models/{model}/load", {}, admin_key, timeout)
+    _call(f"{http_url}/v2/repository/models/{model}/load", {}, admin_key, timeout)
 
 
 def reload(http_url: str, model: str, admin_key: str, timeout: float) -> None:
-    """Unload, then load. Loading over a loaded model would keep the dead
-    instance serving (and the server ready) until the new one is up; unloaded
-    first, the model is loading meanwhile, so strict readiness says not ready."""
+    """Unload, then load: the model is not ready until its new instance is,
+    so strict readiness turns the server not ready meanwhile (the target:
+    nothing can be served without it)."""
     unload(http_url, model, admin_key, timeout)
     load(http_url, model, admin_key, timeout)
+
+
+def reload_in_place(http_url: str, model: str, admin_key: str, timeout: float) -> None:
+    """Load a new instance while the old one stays loaded, then swap: the
+    model and the server stay ready (the draft: requests go on without it).
+    Its current config with a new GENERATION_PARAMETER makes Triton load it
+    again; the unchanged config would not."""
+    config = json.loads(_call(f"{http_url}/v2/models/{model}/config", None, admin_key, timeout))
+    config.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
+    _call(f"{http_url}/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}},
+          admin_key, timeout)

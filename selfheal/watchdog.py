@@ -77,8 +77,12 @@ class Watcher:
     def reload(self, action: Reload):
         say(f"{self.model} cannot serve ({action.reason}); reloading it")
         started = time.monotonic()
+        # The draft in place: the server stays ready and requests go on with
+        # the target alone. The target unloaded first: nothing can be served
+        # without it, so the server says it is not ready until it is back.
+        how = triton_admin.reload_in_place if self.model in self.args.in_place else triton_admin.reload
         try:
-            triton_admin.reload(self.args.http_url, self.model, self.admin_key, self.args.load_timeout)
+            how(self.args.http_url, self.model, self.admin_key, self.args.load_timeout)
         except triton_admin.AdminError as error:
             say(f"{self.model}: reload failed after {time.monotonic() - started:.1f} s: {error}")
             return self.health.reloaded(False, str(error), time.monotonic())
@@ -121,6 +125,9 @@ def parse_args(argv=None):
                         help="a probe not answered in this many seconds fails (leave room for a loaded server)")
     parser.add_argument("--seed-input", default="random_seed",
                         help="the engines' seed input name (the coordinator's engine_seed_input)")
+    parser.add_argument("--in-place", default="draft",
+                        help="engines reloaded while their old instance stays loaded, so the server stays ready "
+                             "(comma-separated); the others are unloaded first, so it is not ready meanwhile")
     parser.add_argument("--failures-to-act", type=int, default=Settings.failures_to_act)
     parser.add_argument("--max-reloads", type=int, default=Settings.max_reloads)
     parser.add_argument("--window", type=float, default=Settings.window_seconds,
@@ -135,6 +142,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.detect = [d for d in args.detect.split(",") if d]
+    args.in_place = [m for m in args.in_place.split(",") if m]
     unknown = set(args.detect) - set(DETECTORS)
     if unknown or not args.detect:
         parser.error(f"--detect takes {', '.join(DETECTORS)}; got {', '.join(sorted(unknown)) or 'nothing'}")

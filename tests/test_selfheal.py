@@ -3,6 +3,7 @@ its loop, without a server (selfheal/)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -180,6 +181,13 @@ def test_admin_calls_carry_the_key_and_report_refusals():
     seen = []
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the model's config
+            seen.append((self.path, self.headers.get(triton_admin.ADMIN_KEY_HEADER), b""))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"name": "draft", "max_batch_size": 8, "parameters": {
+                "model_dir": {"string_value": "/m"}}}).encode())
+
         def do_POST(self):  # noqa: N802
             body = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append((self.path, self.headers.get(triton_admin.ADMIN_KEY_HEADER), body))
@@ -201,6 +209,13 @@ def test_admin_calls_carry_the_key_and_report_refusals():
         assert b'"unload_dependents": false' in seen[0][2]
         with pytest.raises(triton_admin.AdminError, match="HTTP 403.*forbidden"):
             triton_admin.load(url, "draft", "wrong-key-0123456789", timeout=10)
+        seen.clear()
+        triton_admin.reload_in_place(url, "draft", "k" * 32, timeout=10)
+        assert [(path, key) for path, key, _ in seen] == [("/v2/models/draft/config", "k" * 32),
+                                                          ("/v2/repository/models/draft/load", "k" * 32)]
+        config = json.loads(json.loads(seen[1][2])["parameters"]["config"])
+        assert config["name"] == "draft" and config["max_batch_size"] == 8  # the model's own, as served
+        assert int(config["parameters"][triton_admin.GENERATION_PARAMETER]["string_value"]) > 0
     finally:
         server.shutdown()
         server.server_close()
@@ -216,7 +231,7 @@ def test_the_admin_header_is_the_launchers():
 # -------------------------------------------------------------- loop ----
 
 def watcher_args(**overrides):
-    args = dict(detect=["probe"], server_pid=None, interval=0.01, probe_interval=0.0, probe_timeout=1.0,
+    args = dict(detect=["probe"], in_place=["draft"], server_pid=None, interval=0.01, probe_interval=0.0, probe_timeout=1.0,
                 seed_input="random_seed", grpc_url="x:1", http_url="http://x:1", load_timeout=5.0)
     return SimpleNamespace(**(args | overrides))
 
@@ -235,10 +250,12 @@ def test_the_loop_reloads_a_dead_engine_and_watches_it_again(monkeypatch):
             return True, ""
 
     monkeypatch.setattr(probe, "probe", fake_probe)
-    monkeypatch.setattr(triton_admin, "reload", lambda url, model, key, timeout: reloads.append((model, key)))
+    monkeypatch.setattr(triton_admin, "reload", lambda url, model, key, timeout: reloads.append(("unload", model)))
+    monkeypatch.setattr(triton_admin, "reload_in_place",
+                        lambda url, model, key, timeout: reloads.append(("in place", model, key)))
     watcher = watchdog.Watcher("draft", watcher_args(), "k" * 32, Settings(failures_to_act=2), stop)
     watcher.run()
-    assert reloads == [("draft", "k" * 32)]
+    assert reloads == [("in place", "draft", "k" * 32)]  # the server stays ready without its draft
     assert watcher.health.serving and watcher.health.recoveries == 1 and not watcher.gave_up
 
 
@@ -247,7 +264,7 @@ def test_the_loop_gives_up_when_reloads_fail(monkeypatch, capsys):
         raise triton_admin.AdminError("HTTP 400 failed to load 'target'")
 
     monkeypatch.setattr(probe, "probe", lambda *args: (False, "no answer"))
-    monkeypatch.setattr(triton_admin, "reload", failing_reload)
+    monkeypatch.setattr(triton_admin, "reload", failing_reload)  # the target: unloaded first
     stop = threading.Event()
     watcher = watchdog.Watcher("target", watcher_args(), "k" * 32, Settings(failures_to_act=1, max_reloads=2), stop)
     watcher.run()
@@ -288,3 +305,13 @@ def test_the_launcher_loads_every_model_under_explicit_control(tmp_path):
                                     launch.tritonserver.TritonInstall(tmp_path, tmp_path, tmp_path))
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
     assert "--strict-readiness=true" in command
+
+
+def test_the_engines_accept_the_reload_parameter():
+    from cpu_engine.engine import KNOWN_PARAMETERS
+
+    assert triton_admin.GENERATION_PARAMETER in KNOWN_PARAMETERS
+
+
+def test_only_the_draft_is_reloaded_in_place_by_default():
+    assert watchdog.parse_args([]).in_place == ["draft"]
