@@ -166,7 +166,12 @@ def main(argv=None) -> int:
     stop = threading.Event()
     watchers = [Watcher(model, args, admin_key, settings, stop) for model in args.models]
     if args.metrics_port:
-        exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers])
+        try:
+            exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers])
+        except OSError as error:
+            say(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port}: {error} "
+                f"(choose another port with {exposition.PORT_VAR}; 0: no metrics)")
+            return 2
     threads = [threading.Thread(target=w.run, name=f"watch-{w.model}", daemon=True) for w in watchers]
     for thread in threads:
         thread.start()

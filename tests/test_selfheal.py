@@ -315,3 +315,15 @@ def test_the_engines_accept_the_reload_parameter():
 
 def test_only_the_draft_is_reloaded_in_place_by_default():
     assert watchdog.parse_args([]).in_place == ["draft"]
+
+
+def test_a_metrics_port_in_use_is_a_clear_error(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("SPECDEC_ADMIN_KEY", "k" * 32)
+        code = watchdog.main(["--metrics-port", str(taken.getsockname()[1]), "--detect", "probe"])
+    assert code == 2
+    assert "cannot serve metrics" in capsys.readouterr().err
