@@ -59,6 +59,14 @@ class Watcher:
         return True, ""
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as error:  # noqa: BLE001 - an unwatched engine must not pass for a watched one
+            say(f"{self.model}: the watchdog itself failed: {error!r}; stopping, so the server restarts whole")
+            self.gave_up = True
+            self.stop.set()
+
+    def _watch(self) -> None:
         self.watch_stubs()
         while not self.stop.is_set():
             ok, reason = self.check(time.monotonic())
@@ -83,7 +91,7 @@ class Watcher:
         how = triton_admin.reload_in_place if self.model in self.args.in_place else triton_admin.reload
         try:
             how(self.args.http_url, self.model, self.admin_key, self.args.load_timeout)
-        except triton_admin.AdminError as error:
+        except Exception as error:  # noqa: BLE001 - refused, timed out, a config it could not read: all count
             say(f"{self.model}: reload failed after {time.monotonic() - started:.1f} s: {error}")
             return self.health.reloaded(False, str(error), time.monotonic())
         next_action = self.health.reloaded(True, "", time.monotonic())

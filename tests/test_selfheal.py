@@ -327,3 +327,21 @@ def test_a_metrics_port_in_use_is_a_clear_error(monkeypatch, capsys):
         code = watchdog.main(["--metrics-port", str(taken.getsockname()[1]), "--detect", "probe"])
     assert code == 2
     assert "cannot serve metrics" in capsys.readouterr().err
+
+
+def test_any_failure_of_a_reload_counts_and_a_broken_watcher_stops_the_watchdog(monkeypatch, capsys):
+    def unreadable_config(url, model, key, timeout):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    monkeypatch.setattr(probe, "probe", lambda *args: (False, "no answer"))
+    monkeypatch.setattr(triton_admin, "reload_in_place", unreadable_config)
+    stop = threading.Event()
+    watcher = watchdog.Watcher("draft", watcher_args(), "k" * 32, Settings(failures_to_act=1, max_reloads=1), stop)
+    watcher.run()
+    assert watcher.gave_up and "reload failed" in capsys.readouterr().err
+
+    monkeypatch.setattr(probe, "probe", lambda *args: 1 / 0)
+    stop = threading.Event()
+    watcher = watchdog.Watcher("draft", watcher_args(), "k" * 32, Settings(), stop)
+    watcher.run()
+    assert watcher.gave_up and stop.is_set() and "the watchdog itself failed" in capsys.readouterr().err
