@@ -47,7 +47,6 @@ KNOWN_PARAMETERS = {
     "max_num_tokens",
     "row_invariant",
     "weight_quantization",
-    "reload_generation",  # set by the engine watchdog to reload the model in place (selfheal/triton_admin.py); unused
 }
 # Neither layer type is masked by transformers: packed_attention masks per sequence.
 _NO_MASKS = {"full_attention": None, "sliding_attention": None}
