@@ -14,13 +14,11 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
-from launcher import assets, openai_frontend, tritonserver
+from launcher import assets, openai_frontend, readiness, tritonserver
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
@@ -163,21 +161,8 @@ def start(options: ServerOptions, pair: PreparedPair, **popen_kwargs) -> subproc
 
 
 def wait_until_ready(process: subprocess.Popen, options: ServerOptions, timeout: float = 600.0) -> None:
-    host = "127.0.0.1" if options.address in ("0.0.0.0", "") else options.address
-    url = f"http://{host}:{options.http_port}/v2/health/ready"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = process.poll()
-        if code is not None:
-            raise RuntimeError(f"tritonserver exited with code {code} before it was ready (see its log above)")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s ({url})")
+    url = f"{readiness.local_url(options.address, options.http_port)}/v2/health/ready"
+    readiness.wait_for(process, url, "tritonserver", timeout)
 
 
 def _parse_args(argv: list[str] | None) -> ServerOptions:
@@ -253,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     openai = ""
     if options.openai_port:
         url = openai_frontend.base_url(options.address, options.openai_port)
-        frontend = openai_frontend.start(f"{_local(options.address)}:{options.grpc_port}", pair.target_dir,
+        frontend = openai_frontend.start(f"{readiness.local_host(options.address)}:{options.grpc_port}", pair.target_dir,
                                          options.address, options.openai_port, secret_vars=(ADMIN_KEY_VAR,))
         children.append(frontend)
         try:
@@ -275,10 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"specdec: admin APIs ({', '.join(RESTRICTED_APIS)}) need header {ADMIN_KEY_HEADER} (HTTP) or "
           f"{GRPC_ADMIN_KEY_HEADER} (gRPC) with {key_source}", flush=True)
     return _supervise(process, children[1:], lambda: stopping)
-
-
-def _local(address: str) -> str:
-    return "127.0.0.1" if address in ("0.0.0.0", "") else address
 
 
 def _supervise(process: subprocess.Popen, others: list[subprocess.Popen], stopping) -> int:

@@ -1,18 +1,16 @@
 """Start the OpenAI-compatible frontend (``frontend.openai_server``) as a child
 process pointed at Triton's gRPC port, and wait until it answers.
 
-``specdec-serve`` starts it once Triton is ready and stops it with Triton;
-the tests' ``openai_frontend`` fixture starts it the same way."""
+``specdec-serve`` starts it once Triton is ready and stops it with Triton."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from launcher import readiness
 
 DEFAULT_PORT = 9000
 PORT_VAR = "SPECDEC_OPENAI_PORT"
@@ -38,25 +36,12 @@ def start(grpc_url: str, tokenizer_dir: Path, address: str, port: int, secret_va
 
 
 def base_url(address: str, port: int) -> str:
-    host = "127.0.0.1" if address in ("0.0.0.0", "") else address
-    return f"http://{host}:{port}"
+    return readiness.local_url(address, port)
 
 
 def wait_until_ready(process: subprocess.Popen, url: str, timeout: float = 180.0) -> None:
     """Until ``url``/health answers 200 (the frontend listens and the coordinator is ready)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = process.poll()
-        if code is not None:
-            raise RuntimeError(f"the OpenAI frontend exited with code {code} before it was ready (see its log above)")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the OpenAI frontend was not ready within {timeout:.0f} s ({url}/health)")
+    readiness.wait_for(process, f"{url}/health", "the OpenAI frontend", timeout)
 
 
 def stop(process: subprocess.Popen, timeout: float = 30.0) -> None:

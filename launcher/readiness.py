@@ -1,0 +1,36 @@
+"""Waiting for a server that specdec-serve started to answer: tritonserver
+and the OpenAI frontend are waited for the same way."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+
+def local_host(address: str) -> str:
+    """Where this machine reaches a server bound to ``address`` (a wildcard bind: loopback)."""
+    return "127.0.0.1" if address in ("0.0.0.0", "") else address
+
+
+def local_url(address: str, port: int) -> str:
+    return f"http://{local_host(address)}:{port}"
+
+
+def wait_for(process: subprocess.Popen, url: str, name: str, timeout: float) -> None:
+    """Until ``url`` answers 200; an error naming ``name`` if its process exits
+    first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = process.poll()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with code {code} before it was ready (see its log above)")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} was not ready within {timeout:.0f} s ({url})")
