@@ -112,7 +112,10 @@ tools:
 		bash "$$script" || exit 1; \
 	done
 
-test: $(STAMP) $(AIPERF_STAMP) tools
+# The virtualenvs and tools install side by side (each is mostly downloads
+# and unpacking, one core each); then pytest.
+test:
+	$(MAKE) --jobs=3 --output-sync=target $(STAMP) $(AIPERF_STAMP) tools
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests and offline checks only (no model download, no server).
