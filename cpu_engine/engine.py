@@ -45,9 +45,12 @@ KNOWN_PARAMETERS = {
     "exclude_input_in_output",
     "enable_kv_cache_reuse",
     "max_num_tokens",
+    "max_draft_len",
     "row_invariant",
     "weight_quantization",
 }
+# Drafts one verification may carry unless configured: one attention block.
+DEFAULT_MAX_DRAFT_LEN = attention.BLOCK_ROWS - 1
 # Neither layer type is masked by transformers: packed_attention masks per sequence.
 _NO_MASKS = {"full_attention": None, "sliding_attention": None}
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -129,12 +132,19 @@ class CausalLMEngine:
         max_cached_sequences: int = 8,
         max_context_tokens: int = 4096,
         max_num_tokens: int = 64,
+        max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
         row_invariant: bool = True,
         weight_quantization: str = "none",
     ):
         self.dtype = resolve_dtype(dtype)
         if max_num_tokens < attention.BLOCK_ROWS:
             raise ValueError(f"max_num_tokens must be at least {attention.BLOCK_ROWS}, got {max_num_tokens}")
+        if not 0 <= max_draft_len < max_num_tokens:
+            raise ValueError(f"max_draft_len must be between 0 and max_num_tokens - 1 ({max_num_tokens - 1}), "
+                             f"got {max_draft_len}")
+        # The longest verification (max_draft_len drafts plus the last token)
+        # always fits one forward, also where every forward has one fixed size.
+        self.max_draft_len = max_draft_len
         # none, int8 or int4 weight-only linear layers (cpu_engine/quantize.py):
         # for the draft, whose precision only changes the acceptance rate.
         self.weight_quantization = check_scheme(weight_quantization)
@@ -150,7 +160,8 @@ class CausalLMEngine:
         self.pool = PrefixCachePool(max_cached_sequences)
         # The target's rows must not depend on their batch-mates (lossless greedy
         # speculation); the draft only proposes, so it skips the measurement.
-        self.row_shape = (measure_row_shape(self.model, max_num_tokens, attention.BLOCK_ROWS) if row_invariant
+        fixed_rows = max(attention.BLOCK_ROWS, max_draft_len + 1)
+        self.row_shape = (measure_row_shape(self.model, max_num_tokens, fixed_rows) if row_invariant
                           else RowShape(floor=1, budget=max_num_tokens))
         self.scheduler = Scheduler(self.row_shape.capacity)
         self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
@@ -234,9 +245,9 @@ class CausalLMEngine:
                 f"input_ids ({input_ids.size} tokens) plus request_output_len exceeds max_context_tokens "
                 f"{self.max_context_tokens}"
             )
-        if len(drafts) + 1 > self.row_shape.capacity:
+        if len(drafts) > self.max_draft_len:
             raise EngineRequestError(
-                f"draft_input_ids ({len(drafts)} tokens) plus one exceeds max_num_tokens {self.row_shape.capacity}")
+                f"draft_input_ids ({len(drafts)} tokens) exceeds max_draft_len {self.max_draft_len}")
         if request.draft_logits is not None and drafts:
             shape = tuple(np.shape(request.draft_logits))
             if shape != (len(drafts), self.vocab_size):

@@ -22,7 +22,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator.config import expand_env
-from cpu_engine.engine import KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
+from cpu_engine.engine import DEFAULT_MAX_DRAFT_LEN, KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from cpu_engine.faults import FaultConfigError, FaultInjector
 from coordinator.penalties import Penalties, read_word_list
 from coordinator.sampling import SamplingParams
@@ -55,6 +55,7 @@ class TritonPythonModel:
             max_cached_sequences=int(params.get("max_cached_sequences", "8")) if reuse else 0,
             max_context_tokens=int(params.get("max_context_tokens", "4096")),
             max_num_tokens=int(params.get("max_num_tokens", "64")),
+            max_draft_len=int(params.get("max_draft_len", DEFAULT_MAX_DRAFT_LEN)),
             row_invariant=params.get("row_invariant", "true").lower() == "true",
             weight_quantization=params.get("weight_quantization", "none"),
         )

@@ -138,12 +138,31 @@ def test_a_forward_that_fails_fails_its_calls_and_the_engine_goes_on(model_dir, 
     assert len(e.run(EngineRequest(PROMPT, 3)).tokens) == 3
 
 
-def test_a_round_larger_than_the_row_budget_is_refused(model_dir):
+def test_a_round_longer_than_max_draft_len_is_refused(model_dir):
     e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=8)
-    with pytest.raises(EngineRequestError, match="exceeds max_num_tokens 8"):
+    with pytest.raises(EngineRequestError, match="exceeds max_draft_len 7"):
         e.run(EngineRequest(PROMPT, 9, draft_tokens=np.arange(1, 9)))
     with pytest.raises(ValueError, match="max_num_tokens must be at least 8"):
         CausalLMEngine(str(model_dir), max_num_tokens=4)
+    with pytest.raises(ValueError, match=r"max_draft_len must be between 0 and max_num_tokens - 1 \(7\), got 8"):
+        CausalLMEngine(str(model_dir), max_num_tokens=8, max_draft_len=8)
+
+
+def test_fixed_size_forwards_hold_the_longest_verification(model_dir, monkeypatch):
+    """Where no row count is row-invariant (seen with float32 on AVX2-only
+    CPUs), every forward has one fixed size: it must still carry
+    max_draft_len drafts plus the last token, and verify them as plain
+    decoding would."""
+    import cpu_engine.engine as engine_module
+    from cpu_engine.rows import RowShape
+
+    monkeypatch.setattr(engine_module, "measure_row_shape",
+                        lambda model, budget, fixed: RowShape(floor=fixed, budget=fixed, fixed=fixed))
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_draft_len=8)
+    assert e.row_shape.fixed == 9
+    plain = e.run(EngineRequest(PROMPT, 9)).tokens
+    verified = e.run(EngineRequest(PROMPT, 9, draft_tokens=np.array(plain[:8])))
+    assert list(verified.tokens) == list(plain)
 
 
 # ---- weight-only quantization (cpu_engine/quantize.py) ----------------------

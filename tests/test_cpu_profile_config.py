@@ -27,8 +27,9 @@ def test_engines_declare_only_parameters_the_cpu_engine_knows():
 def test_a_full_round_fits_one_forward():
     # a verify forward carries the last token plus speculation_window drafts; only the
     # target verifies (the draft decodes a row per call, and a catch-up is chunked prefill)
-    rows = int(parameter(model_config("target", "cpu"), "max_num_tokens"))
-    assert rows >= coordinator_settings().speculation_window + 1
+    window = coordinator_settings().speculation_window
+    assert int(parameter(model_config("target", "cpu"), "max_draft_len")) >= window
+    assert int(parameter(model_config("target", "cpu"), "max_num_tokens")) >= window + 1
 
 
 def test_rows_are_invariant_and_the_coordinator_reads_the_engines_as_decoupled():
