@@ -22,8 +22,10 @@ def test_top_k_and_top_p_filters():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     probs = processed_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert np.allclose(probs, [0.625, 0.375, 0, 0])
-    probs = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
-    assert np.allclose(probs, [0.625, 0.375, 0, 0])  # 0.5 + 0.3 reaches 0.8
+    # 0.5 + 0.3 reaches 0.79. (Not 0.8 itself: whether exp(log(0.5)) + exp(log(0.3))
+    # reaches 0.8 exactly depends on the CPU's exp; on AVX2-only machines it falls short.)
+    probs = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.79))
+    assert np.allclose(probs, [0.625, 0.375, 0, 0])
     probs = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
     assert np.allclose(probs, np.array([0.5, 0.3, 0.15, 0]) / 0.95)
 
