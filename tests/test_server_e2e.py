@@ -15,7 +15,7 @@ from tests.server_client import complete, concurrently, grpc_error, humaneval_pr
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 def test_streaming_completion_is_sensible_and_reports_statistics(triton_server):
@@ -64,25 +64,19 @@ def test_separate_draft_temperature_is_served(triton_server):
     assert result.completion_tokens == 16 and result.draft_tokens > 0
 
 
-def test_concurrent_streams_give_the_same_outputs_as_one_at_a_time(triton_server):
-    """A greedy request decodes plainly while the draft model prefills its prompt
-    in the background, so the streams are long enough for that prefill to finish
-    on a busy machine too, with three prompts prefilling at once."""
-    prompts = humaneval_prompts(0, 4, 7)
-    kwargs = dict(max_tokens=32, speculation_window=4, adaptive_window=False)
-    alone = [complete(triton_server, p, **kwargs) for p in prompts]
-    together = concurrently(triton_server, [(p, kwargs) for p in prompts])
-    assert [c.text for c in together] == [c.text for c in alone]
-    assert all(c.draft_tokens > 0 for c in alone + together), "every stream must have speculated"
-
-
 def test_concurrent_seeded_sampled_streams_repeat_their_texts(triton_server):
     """Every engine call has its own seed, so a seeded sampled request gives the
-    same text whatever runs beside it."""
+    same text whatever runs beside it, as long as its rounds fall the same way.
+    A draft call past draft_timeout_seconds turns a round plain (same
+    distribution, another sample), so the prompts are short ones (38-45
+    tokens): a crowd's draft prefills stay well within the deadline even on a
+    slow machine. (Greedy streams in a crowd: tests/test_server_reliability.py.)"""
     jobs = [(p, dict(max_tokens=16, temperature=0.8, top_k=40, seed=100 + i, speculation_window=3,
-                     adaptive_window=False)) for i, p in enumerate(humaneval_prompts(1, 5, 8))]
+                     adaptive_window=False)) for i, p in enumerate(humaneval_prompts(23, 45, 53))]
     alone = [complete(triton_server, prompt, **kwargs) for prompt, kwargs in jobs]
     together = concurrently(triton_server, jobs)
+    late = [c.fallback_reason for c in alone + together if "draft_timeout_seconds" in (c.fallback_reason or "")]
+    assert not late, f"a draft call ran past the deadline, so the rounds fell differently: {late}"
     assert [c.text for c in together] == [c.text for c in alone]
     assert all(c.draft_tokens > 0 and c.completion_tokens == 16 for c in alone + together)
 
