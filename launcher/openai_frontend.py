@@ -1,7 +1,8 @@
 """Start the OpenAI-compatible frontend (``frontend.openai_server``) as a child
 process pointed at Triton's gRPC port, and wait until it answers.
 
-``specdec-serve`` starts it once Triton is ready and stops it with Triton."""
+``specdec-serve`` starts it once Triton is ready and stops it with Triton;
+the tests' ``openai_frontend`` fixture starts it the same way."""
 
 from __future__ import annotations
 
