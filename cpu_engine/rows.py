@@ -3,23 +3,30 @@ on the others: measured at start-up on this machine's kernels.
 
 A linear layer over M rows is one matrix multiplication. CPU libraries pick
 the kernel (and so the order of the sums, and the rounding) by shape: a
-matrix-vector kernel for M = 1, blocked kernels above, sometimes another
-blocking for large M. Greedy speculation is byte-identical to plain decoding,
-and a sequence's output is the same alone or next to other sequences, only if
-every row of a forward is computed the same way whatever M is.
+matrix-vector kernel for M = 1, blocked kernels above, a remainder kernel for
+the rows left over by the blocking. Greedy speculation is byte-identical to
+plain decoding, and a sequence's output is the same alone or next to other
+sequences, only if every row of a forward is computed the same way whatever M
+is and wherever the row sits in the forward.
 
 ``measure_row_shape`` multiplies random rows through each distinct linear
-shape of the model at the row counts the engine can produce and finds the
-smallest floor from which every count gives bitwise the same rows. Measured
-on an AMD EPYC (AVX-512 bf16, no AMX), torch 2.13 bfloat16: M = 1 differs
-from M >= 2, and every M from 2 up agrees; 2 rows also cost no more than one.
+shape of the model at the row counts the engine can produce, each count at
+the start of the block and shifted into it, and finds the smallest floor from
+which every count gives bitwise the same rows. Measured with torch 2.13:
+on an AMD EPYC with AVX-512 bf16 (no AMX), bfloat16, M = 1 differs from
+M >= 2 and every M from 2 up agrees. On an AMD EPYC with AVX2 only, float32,
+MKL's default kernels agree at no floor (a row's rounding changes with its
+place in a 9-row block), and with MKL's strict reproducible mode
+(``MKL_CBWR``, set by cpu_engine/__init__.py) every M from 4 up agrees;
+a 9-row float32 MLP there took half the time of the default kernels'.
 Where no floor works, every forward is padded to one fixed number of rows
-instead (correct everywhere, slower where extra rows cost).
+instead (slower where extra rows cost).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -70,15 +77,18 @@ def probe_counts(budget: int) -> list[int]:
 
 def invariant_floor(multiply, width: int, budget: int, dtype: torch.dtype, generator: torch.Generator) -> int | None:
     """The smallest floor in FLOORS from which ``multiply`` (rows [M, width]
-    -> [M, out]) gives every row bitwise the same for every M up to ``budget``."""
+    -> [M, out]) gives every row bitwise the same for every M up to ``budget``,
+    wherever the row sits in the block."""
     rows = torch.randn(budget, width, generator=generator).to(dtype)
-    counts = probe_counts(budget)
-    results = {m: multiply(rows[:m]) for m in counts}
+    reference = multiply(rows)
+    agrees: dict[tuple[int, int], bool] = {}
+    for m in probe_counts(budget):
+        for start in sorted({0, (budget - m) // 2}):
+            agrees[m, start] = torch.equal(multiply(rows[start : start + m]), reference[start : start + m])
     for floor in FLOORS:
         if floor > budget:
             break
-        reference = results[budget]
-        if all(torch.equal(results[m], reference[:m]) for m in counts if m >= floor):
+        if all(same for (m, _), same in agrees.items() if m >= floor):
             return floor
     return None
 
@@ -105,8 +115,8 @@ def measure_row_shape(model: torch.nn.Module, budget: int, fallback_rows: int) -
         floor = max(floor, seen[key])
     else:
         shape = RowShape(floor=floor, budget=budget)
-    log.info("row shape: %s (measured over %d linear shapes in %.1f s)", shape.describe(), len(seen),
-             time.perf_counter() - started)
+    log.info("row shape: %s (measured over %d linear shapes in %.1f s, MKL_CBWR=%s)", shape.describe(), len(seen),
+             time.perf_counter() - started, os.environ.get("MKL_CBWR", "unset"))
     return shape
 
 

@@ -56,3 +56,22 @@ def test_measured_on_a_model_of_linear_layers():
         full = model(rows)
         for m in range(shape.floor, 33):  # the claim the shape makes, checked at every row count
             assert torch.equal(model(rows[:m]), full[:m]), m
+
+
+def test_a_kernel_that_rounds_a_row_by_its_place_in_the_block_has_no_floor():
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).mul(4).round()
+
+    def by_place(rows):  # rows past the eighth take a remainder path, whatever M is
+        out = rows.mul(4).round() @ weight.T
+        out[8:] += 1e-3
+        return out
+
+    assert invariant_floor(by_place, 32, 24, torch.float32, torch.Generator().manual_seed(0)) is None
+
+
+def test_the_engine_package_asks_mkl_for_reproducible_rows():
+    import os
+
+    import cpu_engine  # noqa: F401
+
+    assert os.environ.get("MKL_CBWR")
