@@ -46,6 +46,12 @@ from coordinator.tokenizer import Codec, SpecialTokens
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader left early
+# While an engine's answer is late, how often to ask Triton whether the model
+# still serves. An engine whose process died never answers the calls it had
+# (Triton 2.51 neither fails nor finishes them); once the engine watchdog
+# (selfheal/) unloads the dead model to reload it, this check ends such a call
+# with an error instead of a hang.
+ENGINE_CHECK_SECONDS = 1.0
 # Each engine call in flight holds one thread while it waits for its next
 # response (a request holds up to three: target, draft, draft warm-up);
 # threads are started only when needed.
@@ -123,14 +129,13 @@ async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], 
         inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
         requested_output_names=list(outputs),
     )
-    loop = asyncio.get_running_loop()
     if decoupled:
-        stream = await loop.run_in_executor(_engine_calls, lambda: request.exec(decoupled=True))
+        stream = await _engine_answer(model_name, lambda: request.exec(decoupled=True))
 
         async def next_response():  # blocks until the model answers: read off the event loop
-            return await loop.run_in_executor(_engine_calls, next, stream, None)
+            return await _engine_answer(model_name, next, stream, None)
     else:
-        single = iter([await loop.run_in_executor(_engine_calls, request.exec)])
+        single = iter([await _engine_answer(model_name, request.exec)])
 
         async def next_response():  # already here: no thread hop
             return next(single, None)
@@ -147,6 +152,36 @@ async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], 
             await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
         except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
             log.info("%s: left a response stream unread: %r", model_name, error)
+
+
+async def _engine_answer(model_name: str, call, *args):
+    """``call(*args)`` on the engine-call pool; while it has not returned,
+    every ENGINE_CHECK_SECONDS an EngineError if ``model_name`` no longer
+    serves (the blocked thread is left behind: nothing can unblock it)."""
+    loop = asyncio.get_running_loop()
+    pending = loop.run_in_executor(_engine_calls, call, *args)
+    while True:
+        done, _ = await asyncio.wait({pending}, timeout=ENGINE_CHECK_SECONDS)
+        if done:
+            return pending.result()
+        if not await loop.run_in_executor(_engine_calls, _model_ready, model_name):
+            pending.add_done_callback(_ignore_outcome)
+            raise EngineError(f"{model_name}: the model stopped serving while this request waited for it "
+                              "(its process died; it is being reloaded)")
+
+
+def _model_ready(model_name: str) -> bool:
+    """Triton's view of the model; True when it cannot be asked (never fail a call on the check alone)."""
+    try:
+        return bool(pb_utils.is_model_ready(model_name))
+    except Exception as error:  # noqa: BLE001 - the check is advisory
+        log.info("could not ask whether %s is ready: %s", model_name, error)
+        return True
+
+
+def _ignore_outcome(future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 def _tokens(response) -> list[int] | None:

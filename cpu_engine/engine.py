@@ -48,6 +48,7 @@ KNOWN_PARAMETERS = {
     "max_draft_len",
     "row_invariant",
     "weight_quantization",
+    "reload_generation",  # set by the engine watchdog to reload the model in place (selfheal/triton_admin.py); unused
 }
 # Drafts one verification may carry unless configured: one attention block.
 DEFAULT_MAX_DRAFT_LEN = attention.BLOCK_ROWS - 1

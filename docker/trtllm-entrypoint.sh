@@ -2,7 +2,8 @@
 # Entry point of the trtllm-profile image: checks the mounted engines, then starts
 # Triton with the trtllm configs (model_repository/<model>/configs/trtllm.pbtxt)
 # and, next to it, the OpenAI-compatible API (frontend/) on SPECDEC_OPENAI_PORT
-# (9000; 0 = none), as specdec-serve does in the cpu profile.
+# (9000; 0 = none) and the engine watchdog (selfheal/; SPECDEC_WATCHDOG=0: none),
+# as specdec-serve does in the cpu profile.
 #
 # Engines are mounted at ${SPECDEC_ENGINE_DIR} (default /opt/specdec/engines) as
 # written by docker/build_engines.sh: target/, draft/, tokenizer/, build-info.json.
@@ -13,6 +14,7 @@ ENGINE_DIR="${SPECDEC_ENGINE_DIR:-/opt/specdec/engines}"
 MODEL_REPOSITORY="${SPECDEC_MODEL_REPOSITORY:-/opt/specdec/model_repository}"
 export SPECDEC_TOKENIZER_DIR="${SPECDEC_TOKENIZER_DIR:-${ENGINE_DIR}/tokenizer}"
 OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
+WATCHDOG_PORT="${SPECDEC_WATCHDOG_PORT:-8003}"
 
 die() {
     echo "specdec-trtllm: error: $*" >&2
@@ -42,6 +44,9 @@ done
 case "${OPENAI_PORT}" in
     "" | *[!0-9]*) die "SPECDEC_OPENAI_PORT must be a port number (0: no OpenAI API), got '${OPENAI_PORT}'" ;;
 esac
+case "${WATCHDOG_PORT}" in
+    "" | *[!0-9]*) die "SPECDEC_WATCHDOG_PORT must be a port number (0: no watchdog metrics), got '${WATCHDOG_PORT}'" ;;
+esac
 
 # Engines load only in the TensorRT-LLM release that built them; a post-release
 # or local build of that release (0.17.0.post1, 0.17.0+local) counts as the same.
@@ -66,8 +71,10 @@ if [ -f "${ENGINE_DIR}/build-info.json" ]; then
 fi
 
 # Triton's admin APIs answer only requests carrying the header
-# `specdec-admin-key: <key>`; health, metadata and inference stay open, and
-# models can be neither loaded nor unloaded (--model-control-mode=none). The
+# `specdec-admin-key: <key>`; health, metadata and inference stay open. Every
+# model loads at start (--model-control-mode=explicit --load-model=*); loading
+# and unloading are model-repository calls, so only the key opens them: the
+# engine watchdog below reloads a dead engine with it. The
 # key comes from SPECDEC_ADMIN_KEY (Kubernetes: the Secret triton-specdec-admin);
 # without it a random key is made for this run and shown nowhere, which closes
 # the admin APIs. The list equals RESTRICTED_APIS in launcher/launch.py
@@ -99,10 +106,12 @@ for ((gpu = 0; gpu < gpu_count; gpu++)); do
     cuda_pools+=("--cuda-memory-pool-byte-size=${gpu}:0")
 done
 
-# tritonserver and the OpenAI frontend run side by side; a signal goes to both
-# (Triton drains in-flight streams, uvicorn finishes its open responses), and
-# whichever exits first stops the other: a pod whose OpenAI port died would
-# otherwise pass the probes, which ask Triton.
+# tritonserver, the OpenAI frontend and the engine watchdog run side by side;
+# a signal goes to all (Triton drains in-flight streams, uvicorn finishes its
+# open responses), and whichever exits first stops the others: a pod whose
+# OpenAI port died would otherwise pass the probes, which ask Triton, and the
+# watchdog exits when reloading an engine did not keep it up, so the container
+# restarts whole.
 children=()
 stop_children() {
     local pid
@@ -116,7 +125,8 @@ mpirun --allow-run-as-root -n 1 \
     tritonserver \
     --model-repository="${MODEL_REPOSITORY}" \
     --model-config-name=trtllm \
-    --model-control-mode=none \
+    --model-control-mode=explicit \
+    --load-model='*' \
     --http-restricted-api="${restricted}" \
     --grpc-restricted-protocol="${restricted}" \
     --disable-auto-complete-config \
@@ -135,6 +145,19 @@ children+=("$!")
 if [ "${OPENAI_PORT}" != "0" ]; then
     python3 -m frontend.openai_server --host 0.0.0.0 --port "${OPENAI_PORT}" --grpc-url 127.0.0.1:8001 \
         --tokenizer-dir "${SPECDEC_TOKENIZER_DIR}" --wait-for-server 3600 &
+    children+=("$!")
+fi
+
+# The engine watchdog: a one-token probe straight to target and draft every
+# 5 s; an engine that fails two in a row (an executor or orchestrator process
+# died, or it stopped answering for 30 s) is loaded again through the
+# model-repository API (the target unloaded first, so the server is not ready
+# meanwhile; the draft in place). Only this process gets the admin key, in its own
+# environment (the watchdog drops it from there at start).
+if [ "${SPECDEC_WATCHDOG:-1}" != "0" ]; then
+    SPECDEC_ADMIN_KEY="${admin_key}" python3 -m selfheal.watchdog --detect probe --probe-interval 5 \
+        --probe-timeout 30 --load-timeout 600 --wait-for-server 3600 \
+        --metrics-address 0.0.0.0 --metrics-port "${WATCHDOG_PORT}" &
     children+=("$!")
 fi
 

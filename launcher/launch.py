@@ -18,17 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
-from launcher import assets, openai_frontend, readiness, tritonserver
+from launcher import assets, engine_watchdog, openai_frontend, readiness, tritonserver
+from selfheal import exposition
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
 
 # Triton APIs that answer only requests carrying the header ADMIN_KEY_HEADER with
 # the admin key, on HTTP and gRPC alike. Health, metadata and inference stay
-# open; model loading is off altogether (--model-control-mode=none). The same
-# list is in docker/trtllm-entrypoint.sh (tests/test_security_config.py).
+# open. The same list is in docker/trtllm-entrypoint.sh (tests/test_security_config.py).
 RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "statistics", "trace", "logging")
 ADMIN_KEY_HEADER = "specdec-admin-key"
+# Every model loads at start-up; explicit control lets the engine watchdog
+# (selfheal/) reload an engine whose process died. Loading and unloading are
+# model-repository calls, so they too need the admin key.
+MODEL_CONTROL_ARGS = ("--model-control-mode=explicit", "--load-model=*")
 # Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
@@ -85,6 +89,7 @@ class ServerOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     openai_port: int = openai_frontend.DEFAULT_PORT  # the OpenAI-compatible frontend; 0: not started
+    watchdog_port: int = exposition.DEFAULT_PORT  # the engine watchdog's /metrics; 0: none
     log_verbose: int = 0
     triton_args: list[str] = field(default_factory=list)  # appended to tritonserver's command line
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -116,7 +121,7 @@ def server_command(options: ServerOptions, install: tritonserver.TritonInstall) 
         f"--model-repository={options.model_repository}",
         f"--model-config-name={options.profile}",
         f"--backend-directory={install.backend_dir}",
-        "--model-control-mode=none",
+        *MODEL_CONTROL_ARGS,
         *restricted_api_args(options.admin_key),
         "--strict-readiness=true",
         "--exit-on-error=true",
@@ -192,6 +197,11 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
                         default=int(env.get(openai_frontend.PORT_VAR, openai_frontend.DEFAULT_PORT)),
                         help="port of the OpenAI-compatible API, started next to Triton; 0: none "
                              f"[{openai_frontend.PORT_VAR}, {openai_frontend.DEFAULT_PORT}]")
+    parser.add_argument("--watchdog-port", type=int,
+                        default=int(env.get(exposition.PORT_VAR, exposition.DEFAULT_PORT)),
+                        help="port of the engine watchdog's /metrics; 0: none "
+                             f"[{exposition.PORT_VAR}, {exposition.DEFAULT_PORT}; "
+                             f"{engine_watchdog.ENABLED_VAR}=0: no watchdog]")
     parser.add_argument("--model-repository", type=Path,
                         default=Path(env.get("SPECDEC_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")))
     parser.add_argument("--log-verbose", type=int, default=0)
@@ -200,7 +210,8 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
     return ServerOptions(
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, openai_port=args.openai_port, log_verbose=args.log_verbose,
+        metrics_port=args.metrics_port, openai_port=args.openai_port, watchdog_port=args.watchdog_port,
+        log_verbose=args.log_verbose,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
         admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
     )
@@ -235,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         process.terminate()
         process.wait()
         return 1
+    if engine_watchdog.enabled():
+        children.append(engine_watchdog.start(readiness.local_url(options.address, options.http_port), process.pid,
+                                              options.admin_key, ADMIN_KEY_VAR, options.address,
+                                              options.watchdog_port))
     openai = ""
     if options.openai_port:
         url = openai_frontend.base_url(options.address, options.openai_port)
@@ -262,14 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     return _supervise(process, children[1:], lambda: stopping)
 
 
+def _child_name(child: subprocess.Popen) -> str:
+    args = child.args if isinstance(child.args, (list, tuple)) else [str(child.args)]
+    return "the engine watchdog" if "selfheal.watchdog" in map(str, args) else "the OpenAI frontend"
+
+
 def _supervise(process: subprocess.Popen, others: list[subprocess.Popen], stopping) -> int:
     """Run until tritonserver exits, then stop the others; one of them exiting
     on its own (not on a signal) stops tritonserver: a server whose OpenAI port
-    died would look healthy to probes that only ask Triton."""
+    died would look healthy to probes that only ask Triton, and a watchdog
+    exits when reloading an engine did not keep it up."""
     while process.poll() is None:
         for child in others:
             if child.poll() is not None and not stopping():
-                print(f"specdec-serve: the OpenAI frontend exited with code {child.returncode}; "
+                print(f"specdec-serve: {_child_name(child)} exited with code {child.returncode}; "
                       "stopping tritonserver", file=sys.stderr, flush=True)
                 process.terminate()
                 process.wait()

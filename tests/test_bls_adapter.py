@@ -92,6 +92,10 @@ class FakeBackend(types.ModuleType):
 
         self.InferenceRequest = InferenceRequest
         self.Tensor = _Tensor
+        self.not_ready: set[str] = set()  # models Triton no longer calls ready (unloaded)
+
+    def is_model_ready(self, model_name, model_version=""):
+        return model_name not in self.not_ready
 
     @staticmethod
     def get_output_tensor_by_name(response, name):
@@ -169,3 +173,40 @@ def test_a_model_that_is_not_decoupled_answers_once(bls):
     backend.engines["target"] = ([_Response([4, 2])], released)
     engine = module.BlsEngine("target", SPECIAL, decoupled=False)
     assert asyncio.run(engine.generate([9], 2, SamplingParams())).tokens == [4, 2]
+
+
+def test_a_call_to_an_engine_that_died_ends_once_its_model_is_unloaded(bls, monkeypatch):
+    """An engine killed mid-call never answers (Triton 2.51); the call waits
+    while the model is still called ready, and fails once the watchdog has
+    unloaded it, instead of hanging its request."""
+    module, backend = bls
+    monkeypatch.setattr(module, "ENGINE_CHECK_SECONDS", 0.05)
+    never = threading.Event()
+    backend.engines["target"] = ([_Response([1])], never)
+    engine = module.BlsEngine("target", SPECIAL, decoupled=True)
+
+    async def call():
+        waiting = asyncio.ensure_future(engine.generate([9], 2, SamplingParams()))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # still ready: a slow engine is waited for
+        backend.not_ready.add("target")
+        return await waiting
+
+    with pytest.raises(module.EngineError, match="target: the model stopped serving"):
+        asyncio.run(asyncio.wait_for(call(), TIMEOUT))
+    never.set()  # let the blocked reader thread finish
+
+
+def test_a_failing_readiness_check_never_fails_a_call(bls, monkeypatch):
+    module, backend = bls
+    monkeypatch.setattr(module, "ENGINE_CHECK_SECONDS", 0.02)
+
+    def broken(model_name, model_version=""):
+        raise RuntimeError("IPC failed")
+
+    monkeypatch.setattr(backend, "is_model_ready", broken)
+    released = threading.Event()
+    backend.engines["draft"] = ([_Response([3])], released)
+    threading.Timer(0.2, released.set).start()
+    engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
+    assert asyncio.run(asyncio.wait_for(engine.generate([9], 1, SamplingParams()), TIMEOUT)).tokens == [3]

@@ -49,6 +49,8 @@ SPECDEC_METRICS = (
     "specdec_emitted_tokens_total",
     "specdec_rounds_total",
     "specdec_fallback_active",
+    "specdec_engine_up",  # the engine watchdog's (selfheal/exposition.py)
+    "specdec_engine_recoveries_total",
 )
 
 
@@ -273,7 +275,7 @@ def test_server_ports_and_probes(overlay):
     spec = pod_spec(deployment(render(f"overlays/{overlay}")))
     triton = container(spec, "triton")
     ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "watchdog": 8003, "openai": 9000}
     expected = {
         "startupProbe": "/v2/health/ready",
         "readinessProbe": "/v2/health/ready",
@@ -390,12 +392,12 @@ def test_selectors_match_the_server_pods(overlay):
     assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"], labels)
     monitor = one(docs, "PodMonitor")
     assert selects(monitor["spec"]["selector"], labels)
-    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics", "watchdog"]
     assert "app.kubernetes.io/name" in monitor["spec"]["podTargetLabels"]
     policy = one(docs, "NetworkPolicy", "triton-specdec")
     assert selects(policy["spec"]["podSelector"], labels)
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {"http", "grpc", "metrics", "openai"}
+    assert allowed == {"http", "grpc", "metrics", "watchdog", "openai"}
     deny = one(docs, "NetworkPolicy", "default-deny")
     assert deny["spec"]["podSelector"] == {} and set(deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
 
@@ -427,13 +429,19 @@ def test_alerts_cover_speculation_and_serving_health():
     docs = render("overlays/h100")
     rule = one(docs, "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
-    for name in ("SpecDecAcceptanceRateLow", "SpecDecFallbackActive", "SpecDecQueueTimeHigh", "SpecDecNoReadyReplicas"):
+    for name in ("SpecDecAcceptanceRateLow", "SpecDecFallbackActive", "SpecDecQueueTimeHigh", "SpecDecNoReadyReplicas",
+                 "SpecDecTargetDown", "SpecDecDraftDown", "SpecDecEngineCrashing"):
         assert name in alerts, f"alert {name} missing"
         assert alerts[name]["labels"]["severity"] in ("warning", "critical")
         assert alerts[name]["annotations"]["summary"]
     text = " ".join(expr for _, expr in rule_expressions(docs))
     for metric in SPECDEC_METRICS:
         assert metric in text, f"{metric} unused by the rules"
+    from selfheal.exposition import METRICS
+
+    watchdog_metrics = {name for name, *_ in METRICS}
+    used = set(re.findall(r"specdec_engine_[a-z_]+", text))
+    assert used and used <= watchdog_metrics, used - watchdog_metrics
 
 
 # --------------------------------------------------------- GPU overlays ----

@@ -81,8 +81,8 @@ def entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[list[str], dict,
     python3 that log their command lines and the signals they get."""
     text = ENTRYPOINT.read_text()
     tail = text[text.index("children=()"):]
-    program = ('restricted=x; MODEL_REPOSITORY=/models; cuda_pools=(); SPECDEC_TOKENIZER_DIR=/engines/tokenizer; '
-               f'OPENAI_PORT={openai_port}\n' + tail)
+    program = ('restricted=x; admin_key=k; MODEL_REPOSITORY=/models; cuda_pools=(); '
+               f'SPECDEC_TOKENIZER_DIR=/engines/tokenizer; OPENAI_PORT={openai_port}; WATCHDOG_PORT=8003\n' + tail)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, var in (("mpirun", "TRITON"), ("python3", "FRONTEND")):
@@ -102,7 +102,7 @@ def run_entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[int, str]:
 def test_the_trtllm_entrypoint_starts_the_frontend_next_to_triton_and_stops_triton_when_it_dies(tmp_path):
     code, log = run_entrypoint_tail(tmp_path, "9000", FRONTEND_SECONDS="0.5", FRONTEND_EXIT="3")
     assert code == 3
-    frontend = next(line for line in log.splitlines() if line.startswith("python3 "))
+    frontend = next(line for line in log.splitlines() if line.startswith("python3 -m frontend."))
     assert frontend.split()[1:5] == ["-m", "frontend.openai_server", "--host", "0.0.0.0"]
     assert "--port 9000 --grpc-url 127.0.0.1:8001 --tokenizer-dir /engines/tokenizer" in frontend
     assert "mpirun stopped" in log
@@ -114,8 +114,16 @@ def test_the_trtllm_entrypoint_stops_the_frontend_with_triton(tmp_path):
 
 
 def test_the_trtllm_entrypoint_without_an_openai_port_runs_triton_alone(tmp_path):
-    code, log = run_entrypoint_tail(tmp_path, "0", TRITON_SECONDS="0.2", TRITON_EXIT="4")
+    code, log = run_entrypoint_tail(tmp_path, "0", TRITON_SECONDS="0.2", TRITON_EXIT="4", SPECDEC_WATCHDOG="0")
     assert code == 4 and "python3" not in log and log.startswith("mpirun ")
+
+
+def test_the_trtllm_entrypoint_starts_the_watchdog_and_stops_triton_when_it_gives_up(tmp_path):
+    code, log = run_entrypoint_tail(tmp_path, "0", FRONTEND_SECONDS="0.5", FRONTEND_EXIT="1")
+    assert code == 1 and "mpirun stopped" in log
+    watchdog = next(line for line in log.splitlines() if line.startswith("python3 -m selfheal."))
+    assert watchdog.split()[1:3] == ["-m", "selfheal.watchdog"]
+    assert "--detect probe" in watchdog and "--metrics-port 8003" in watchdog
 
 
 def test_a_signal_to_the_trtllm_entrypoint_reaches_both(tmp_path):

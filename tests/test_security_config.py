@@ -1,7 +1,8 @@
 """Offline checks of the server's lock-down: both launch paths (specdec-serve
 for the cpu profile, docker/trtllm-entrypoint.sh for the trtllm image)
-restrict the same Triton APIs behind the same header, turn model control off
-and keep the admin key out of the models' environment and out of the images."""
+restrict the same Triton APIs behind the same header (model loading among
+them: only the engine watchdog, which holds the key, reloads a model) and keep
+the admin key out of the models' environment and out of the images."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def fake_install(tmp_path: Path) -> tritonserver.TritonInstall:
     return tritonserver.TritonInstall(tmp_path / "tritonserver", tmp_path / "backends", tmp_path / "lib")
 
 
-def test_launcher_restricts_every_admin_api_and_turns_model_control_off(tmp_path):
+def test_launcher_restricts_every_admin_api_model_control_included(tmp_path):
     options = launch.ServerOptions(admin_key="k" * 32)
     command = launch.server_command(options, fake_install(tmp_path))
-    assert "--model-control-mode=none" in command
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
     setting = f"{','.join(launch.RESTRICTED_APIS)}:specdec-admin-key={'k' * 32}"
     assert f"--http-restricted-api={setting}" in command
     assert f"--grpc-restricted-protocol={setting}" in command
@@ -65,7 +66,7 @@ def test_the_trtllm_entrypoint_restricts_the_same_apis_behind_the_same_header():
     apis = re.search(r'^RESTRICTED_APIS="([^"]*)"', text, re.MULTILINE).group(1)
     assert tuple(apis.split(",")) == launch.RESTRICTED_APIS
     assert re.search(r'^ADMIN_KEY_HEADER="([^"]*)"', text, re.MULTILINE).group(1) == launch.ADMIN_KEY_HEADER
-    for flag in ('--model-control-mode=none', '--http-restricted-api="${restricted}"',
+    for flag in ('--model-control-mode=explicit', "--load-model='*'", '--http-restricted-api="${restricted}"',
                  '--grpc-restricted-protocol="${restricted}"'):
         assert flag in text
     assert "unset SPECDEC_ADMIN_KEY" in text
@@ -120,7 +121,7 @@ def test_the_documented_threat_model_matches_the_launch_flags():
     assert named == set(launch.RESTRICTED_APIS)
     assert f"header `{launch.ADMIN_KEY_HEADER}`" in section
     command = launch.server_command(launch.ServerOptions(), fake_install(Path("/nonexistent")))
-    assert "--model-control-mode=none" in section and "--model-control-mode=none" in command
+    assert "--model-control-mode=explicit" in section and "--model-control-mode=explicit" in command
     assert "--http-restricted-api" in section and "--grpc-restricted-protocol" in section
     assert "127.0.0.1" in section and launch.ServerOptions().address == "127.0.0.1"
     for port in (8000, 8001, 8002):

@@ -304,10 +304,11 @@ def test_a_raising_target_gives_a_clean_error_and_nothing_hangs(triton_server):
 
 
 def test_a_draft_model_missing_from_the_server_degrades_every_request_to_target_only(tmp_path):
-    """The draft model not loaded. The server runs with --model-control-mode=none
-    (nothing unloads a model at run time) and --exit-on-error (a draft that fails
-    to load stops the start), so a server without its draft is one whose
-    repository lacks it: a second, real server with only coordinator and target."""
+    """The draft model not loaded. The server loads every model at start
+    (--load-model=*, only the admin key unloads one) and exits on errors (a
+    draft that fails to load stops the start), so a server without its draft
+    is one whose repository lacks it: a second, real server with only
+    coordinator and target."""
     repository = tmp_path / "model_repository"
     for name in ("coordinator", "target"):
         shutil.copytree(PROJECT_ROOT / "model_repository" / name, repository / name,

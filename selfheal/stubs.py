@@ -1,0 +1,58 @@
+"""Triton's Python-backend stub processes, read from /proc.
+
+Each model instance of the Python backend (the cpu profile's engines) runs
+in a ``triton_python_backend_stub`` child of tritonserver whose command line
+names the instance (``target_0_0``: model, group, instance). A stub that
+was killed (OOM, segfault, kill -9) is gone or a zombie at once, while
+Triton 2.51 still calls the model ready; watching the stubs notices it
+within a check interval and costs no inference."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+STUB_BINARY = "triton_python_backend_stub"
+
+
+def instance_model(name: str) -> str | None:
+    """``target_0_0`` -> ``target``; None for anything else."""
+    match = re.fullmatch(r"(.+)_\d+_\d+", name)
+    return match.group(1) if match else None
+
+
+def stub_pids(model: str, parent: int | None, proc: Path = Path("/proc")) -> set[int]:
+    """Pids of the live stubs of ``model``'s instances (children of ``parent``, when given)."""
+    found = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = _stat(entry)
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if not argv or os.path.basename(argv[0].decode(errors="replace")) != STUB_BINARY:
+            continue
+        if parent is not None and stat[1] != parent:
+            continue
+        names = {instance_model(arg.decode(errors="replace")) for arg in argv[1:]}
+        if model in names and stat[0] not in ("Z", "X"):
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int, proc: Path = Path("/proc")) -> bool:
+    """The process exists and has not exited (a zombie has)."""
+    try:
+        return _stat(proc / str(pid))[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _stat(entry: Path) -> tuple[str, int]:
+    """(state, parent pid) from /proc/<pid>/stat; the name field may hold spaces and parentheses."""
+    text = (entry / "stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1])

@@ -1,0 +1,197 @@
+"""``python -m selfheal.watchdog``: watch ``target`` and ``draft`` next to a
+running tritonserver and reload whichever can no longer serve.
+
+Started by ``specdec-serve`` (cpu profile: watches the Python-backend stub
+processes) and by docker/trtllm-entrypoint.sh (GPU path: one-token probes).
+Each engine has a thread of its own, so a long target reload does not hold
+up the draft's checks. When an engine keeps dying (selfheal.decide.Settings),
+the watchdog exits 1; its launcher then stops tritonserver and the process
+or container is restarted whole."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from selfheal import exposition, probe, stubs, triton_admin
+from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
+
+ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
+DETECTORS = ("stubs", "probe")
+
+
+def say(message: str) -> None:
+    print(f"specdec-watchdog: {message}", file=sys.stderr, flush=True)
+
+
+class Watcher:
+    """Checks one engine and reloads it when the decision logic says so."""
+
+    def __init__(self, model: str, args, admin_key: str, settings: Settings, stop: threading.Event):
+        self.model = model
+        self.args = args
+        self.admin_key = admin_key
+        self.health = EngineHealth(model, settings)
+        self.stop = stop
+        self.gave_up = False
+        self.pids: set[int] = set()
+        self.next_probe = 0.0
+
+    def watch_stubs(self) -> None:
+        if "stubs" in self.args.detect:
+            self.pids = stubs.stub_pids(self.model, self.args.server_pid)
+            if not self.pids:
+                say(f"{self.model}: no Python-backend stub process found; "
+                    + ("checking it by probes only" if "probe" in self.args.detect else "it is NOT watched"))
+
+    def check(self, now: float) -> tuple[bool, str]:
+        dead = sorted(pid for pid in self.pids if not stubs.alive(pid))
+        if dead:
+            return False, f"its stub process {', '.join(map(str, dead))} exited"
+        if "probe" in self.args.detect and now >= self.next_probe:
+            self.next_probe = now + self.args.probe_interval
+            return probe.probe(self.args.grpc_url, self.model, self.args.probe_timeout, self.args.seed_input)
+        return True, ""
+
+    def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as error:  # noqa: BLE001 - an unwatched engine must not pass for a watched one
+            say(f"{self.model}: the watchdog itself failed: {error!r}; stopping, so the server restarts whole")
+            self.gave_up = True
+            self.stop.set()
+
+    def _watch(self) -> None:
+        self.watch_stubs()
+        while not self.stop.is_set():
+            ok, reason = self.check(time.monotonic())
+            if not ok and self.health.failures == 0:
+                say(f"{self.model}: check failed: {reason}")
+            action = self.health.checked(ok, reason, time.monotonic())
+            while isinstance(action, Reload):
+                action = self.reload(action)
+            if isinstance(action, GiveUp):
+                say(f"{self.model}: giving up: {action.reason}; stopping, so the server restarts whole")
+                self.gave_up = True
+                self.stop.set()
+                return
+            self.stop.wait(self.args.interval)
+
+    def reload(self, action: Reload):
+        say(f"{self.model} cannot serve ({action.reason}); reloading it")
+        started = time.monotonic()
+        # The draft in place: the server stays ready and requests go on with
+        # the target alone. The target unloaded first: nothing can be served
+        # without it, so the server says it is not ready until it is back.
+        how = triton_admin.reload_in_place if self.model in self.args.in_place else triton_admin.reload
+        try:
+            how(self.args.http_url, self.model, self.admin_key, self.args.load_timeout)
+        except Exception as error:  # noqa: BLE001 - refused, timed out, a config it could not read: all count
+            say(f"{self.model}: reload failed after {time.monotonic() - started:.1f} s: {error}")
+            return self.health.reloaded(False, str(error), time.monotonic())
+        next_action = self.health.reloaded(True, "", time.monotonic())
+        self.pids = set()
+        self.watch_stubs()
+        self.next_probe = 0.0
+        say(f"{self.model} is back: reloaded in {time.monotonic() - started:.1f} s, "
+            f"{self.health.last_downtime:.1f} s after it was found down")
+        return next_action
+
+
+def wait_for_server(http_url: str, timeout: float) -> bool:
+    """Until Triton answers ready (engines may load for minutes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=5) as response:
+                if response.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(2)
+    return False
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m selfheal.watchdog", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--http-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint")
+    parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint (probes)")
+    parser.add_argument("--models", default="target,draft", help="engines to watch (comma-separated)")
+    parser.add_argument("--detect", default="stubs",
+                        help="how to tell an engine is down: stubs (Python-backend stub processes), "
+                             "probe (one-token inference), or both, comma-separated")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="tritonserver's pid: only its own stubs are watched (several servers on one host)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
+    parser.add_argument("--probe-interval", type=float, default=5.0, help="seconds between probes")
+    parser.add_argument("--probe-timeout", type=float, default=30.0,
+                        help="a probe not answered in this many seconds fails (leave room for a loaded server)")
+    parser.add_argument("--seed-input", default="random_seed",
+                        help="the engines' seed input name (the coordinator's engine_seed_input)")
+    parser.add_argument("--in-place", default="draft",
+                        help="engines reloaded while their old instance stays loaded, so the server stays ready "
+                             "(comma-separated); the others are unloaded first, so it is not ready meanwhile")
+    parser.add_argument("--failures-to-act", type=int, default=Settings.failures_to_act)
+    parser.add_argument("--max-reloads", type=int, default=Settings.max_reloads)
+    parser.add_argument("--window", type=float, default=Settings.window_seconds,
+                        help="seconds over which --max-reloads are counted")
+    parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds an unload or a load may take")
+    parser.add_argument("--wait-for-server", type=float, default=0.0,
+                        help="first wait this many seconds at most for Triton to be ready")
+    parser.add_argument("--metrics-address", default="127.0.0.1")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ.get(exposition.PORT_VAR, exposition.DEFAULT_PORT)),
+                        help=f"port of the watchdog's /metrics; 0: none [{exposition.PORT_VAR}]")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.detect = [d for d in args.detect.split(",") if d]
+    args.in_place = [m for m in args.in_place.split(",") if m]
+    unknown = set(args.detect) - set(DETECTORS)
+    if unknown or not args.detect:
+        parser.error(f"--detect takes {', '.join(DETECTORS)}; got {', '.join(sorted(unknown)) or 'nothing'}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    admin_key = os.environ.pop(ADMIN_KEY_VAR, "")
+    if not admin_key:
+        say(f"{ADMIN_KEY_VAR} is not set: without the admin key no engine can be reloaded")
+        return 2
+    try:
+        settings = Settings(args.failures_to_act, args.max_reloads, args.window)
+    except ValueError as error:
+        say(str(error))
+        return 2
+    if args.wait_for_server and not wait_for_server(args.http_url, args.wait_for_server):
+        say(f"tritonserver was not ready within {args.wait_for_server:g} s")
+        return 1
+    stop = threading.Event()
+    watchers = [Watcher(model, args, admin_key, settings, stop) for model in args.models]
+    if args.metrics_port:
+        try:
+            exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers])
+        except OSError as error:
+            say(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port}: {error} "
+                f"(choose another port with {exposition.PORT_VAR}; 0: no metrics)")
+            return 2
+    threads = [threading.Thread(target=w.run, name=f"watch-{w.model}", daemon=True) for w in watchers]
+    for thread in threads:
+        thread.start()
+    say(f"watching {', '.join(args.models)} ({'+'.join(args.detect)}, every {args.interval:g} s)"
+        + (f"; metrics on {args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""))
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        return 0
+    return 1 if any(w.gave_up for w in watchers) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

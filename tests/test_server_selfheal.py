@@ -1,0 +1,280 @@
+"""Self-healing against a real server: ``specdec-serve`` (tritonserver plus
+its engine watchdog) of its own, whose engine processes are killed with
+SIGKILL as an out-of-memory kill or a segfault would end them.
+
+* the draft's stub killed under load: the requests in flight complete,
+  identical to plain decoding, the server stays ready, and speculation
+  (drafted tokens > 0) is back within 60 s;
+* the target's stub killed under load: readiness turns non-200 within 10 s,
+  the requests in flight end with an error naming the target (no hang), and
+  the server serves again within 120 s;
+* no other process of the server's tree is touched, and three crash/recover
+  cycles leave tritonserver's memory and /dev/shm where they were.
+
+One server for the whole module (killing engines would disturb the session
+server the other real-server tests share)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from launcher.launch import ADMIN_KEY_VAR, PROJECT_ROOT, new_admin_key
+from selfheal import stubs
+from tests.conftest import ServerAddress, free_port
+from tests.server_client import complete, http_status
+from tools.soak import process_memory, process_tree
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ("def fibonacci(n):\n    ", "def is_prime(n: int) -> bool:\n    ")
+TOKENS = 40  # per request: enough rounds to be in flight at the kill, few enough to stay quick
+DRAFT_BACK_SECONDS = 60
+TARGET_UNREADY_SECONDS = 10
+TARGET_BACK_SECONDS = 120
+PER_CRASH_KIB = 8 * 1024  # measured: about 1 MiB of tritonserver's RSS per crash
+PER_CRASH_SHM = 2 * 2**20  # measured: the dead stub's 1 MiB region (shm-default-byte-size)
+
+
+@dataclass
+class HealingServer:
+    address: ServerAddress
+    launcher: subprocess.Popen
+    server_pid: int
+    watchdog_url: str
+    log_path: Path
+    memory: list = field(default_factory=list)  # _memory() before the first kill and after each recovery
+    regions: set = field(default_factory=set)  # names of the stubs' shared-memory regions seen
+
+
+def _wait(condition, timeout: float, what: str, log_path: Path, step: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"{what} not within {timeout:g} s; log tail:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+def _ready(address: ServerAddress) -> bool:
+    try:
+        return http_status(address, "/v2/health/ready")[0] == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def healing(tmp_path_factory) -> HealingServer:
+    """``python -m launcher.launch`` (specdec-serve) on free ports, no OpenAI frontend."""
+    http, grpc, metrics, watchdog = free_port(), free_port(), free_port(), free_port()
+    env = dict(os.environ, SPECDEC_HTTP_PORT=str(http), SPECDEC_GRPC_PORT=str(grpc),
+               SPECDEC_METRICS_PORT=str(metrics), SPECDEC_OPENAI_PORT="0", SPECDEC_WATCHDOG_PORT=str(watchdog),
+               # The dead instances' calls are never released, so a stop waits Triton's whole exit
+               # timeout (30 s by default) for them.
+               SPECDEC_TRITON_ARGS="--exit-timeout-secs=5")
+    env[ADMIN_KEY_VAR] = new_admin_key()
+    log_path = Path(tmp_path_factory.mktemp("selfheal")) / "specdec-serve.log"
+    address = ServerAddress(f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}",
+                            log_path=log_path)
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "launcher.launch"], cwd=PROJECT_ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: "specdec: ready" in log_path.read_text(errors="replace") or launcher.poll() is not None,
+              900, "specdec-serve ready", log_path, step=1.0)
+        assert launcher.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        server_pid = next(pid for pid in process_tree(launcher.pid)
+                          if (process_memory(pid) or ("",))[0] == "tritonserver")
+        watchdog_url = f"http://127.0.0.1:{watchdog}/metrics"
+        _wait(lambda: _watchdog_metric(watchdog_url, "specdec_engine_up", "draft") == 1, 60, "watchdog", log_path)
+        yield HealingServer(address, launcher, server_pid, watchdog_url, log_path)
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def _watchdog_metric(url: str, name: str, model: str) -> float | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+    except OSError:
+        return None
+    prefix = f'{name}{{model="{model}"}} '
+    return next((float(line[len(prefix):]) for line in body.splitlines() if line.startswith(prefix)), None)
+
+
+def _tree(healing: HealingServer) -> dict[int, str]:
+    """pid -> name of every process under specdec-serve (stubs named after their instance)."""
+    names = {}
+    for pid in process_tree(healing.launcher.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        instance = next((a.decode() for a in argv if stubs.instance_model(a.decode(errors="replace"))), None)
+        names[pid] = instance or Path(argv[0].decode(errors="replace")).name
+    return names
+
+
+def _stub(healing: HealingServer, model: str) -> int:
+    (pid,) = stubs.stub_pids(model, healing.server_pid)
+    return pid
+
+
+def _memory(healing: HealingServer) -> tuple[int, int]:
+    """(tritonserver's RSS in KiB, bytes in /dev/shm of every shared-memory
+    region a stub of this server has had, the killed ones' included)."""
+    for pid, name in _tree(healing).items():
+        if stubs.instance_model(name):
+            healing.regions.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode())
+    paths = [Path("/dev/shm") / region for region in healing.regions]
+    return process_memory(healing.server_pid)[1], sum(p.stat().st_size for p in paths if p.exists())
+
+
+def _under_load(healing: HealingServer, victim: str, **request) -> tuple[list, float]:
+    """Two streamed requests; ``victim``'s stub killed once both are decoding.
+    Returns each request's Completion or exception, and the kill's time."""
+    outcomes: list = [None] * len(PROMPTS)
+    started = threading.Barrier(len(PROMPTS) + 1)
+
+    def run(i):
+        started.wait()
+        try:
+            outcomes[i] = complete(healing.address, PROMPTS[i], max_tokens=TOKENS, timeout=180, **request)
+        except Exception as error:  # noqa: BLE001 - the test judges it
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(2.0)  # both past their first tokens (prefill of a short prompt: well under a second)
+    victim_pid = _stub(healing, victim)
+    killed = time.monotonic()
+    os.kill(victim_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=200)
+    assert not any(thread.is_alive() for thread in threads), "a request hung after the kill"
+    return outcomes, killed
+
+
+def test_a_killed_draft_costs_no_request_and_speculation_comes_back(healing):
+    plain = [complete(healing.address, p, max_tokens=TOKENS, speculation_window=0).text for p in PROMPTS]
+    before = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    assert before.draft_tokens > 0
+    tree = _tree(healing)
+    memory_before = _memory(healing)
+    unready = []
+    watching = threading.Event()
+
+    def watch_readiness():  # the draft is reloaded in place: the server stays ready throughout
+        while not watching.is_set():
+            if not _ready(healing.address):
+                unready.append(time.monotonic())
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_readiness)
+    watcher.start()
+    outcomes, killed = _under_load(healing, "draft", drafter="draft_model")
+    for outcome, expected in zip(outcomes, plain):
+        assert not isinstance(outcome, Exception), outcome
+        assert outcome.completion_tokens == TOKENS and outcome.text == expected
+
+    def drafting():
+        result = complete(healing.address, PROMPTS[1], max_tokens=TOKENS, drafter="draft_model")
+        assert result.text == plain[1]  # every request in between succeeds
+        return result.draft_tokens > 0
+
+    try:
+        _wait(drafting, DRAFT_BACK_SECONDS, "speculation back", healing.log_path, step=1.0)
+    finally:
+        watching.set()
+        watcher.join()
+    back = time.monotonic() - killed
+    print(f"\ndraft killed: speculation back after {back:.1f} s")
+    assert not unready, "the server turned not ready while its draft was reloaded"
+    assert _watchdog_metric(healing.watchdog_url, "specdec_engine_recoveries_total", "draft") == 1
+    _unharmed(healing, tree, replaced="draft")
+    healing.memory += [memory_before, _memory(healing)]
+
+
+def test_a_killed_target_turns_the_server_unready_then_it_serves_again(healing):
+    _wait(lambda: _ready(healing.address), 60, "ready before the kill", healing.log_path)
+    tree = _tree(healing)
+    expected = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, speculation_window=0).text
+    unready_at: list[float] = []
+    watching = threading.Event()
+
+    def watch_readiness():
+        while not watching.is_set():
+            if not _ready(healing.address):
+                unready_at.append(time.monotonic())
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_readiness)
+    watcher.start()
+    outcomes, killed = _under_load(healing, "target")
+    watcher.join(timeout=TARGET_UNREADY_SECONDS + 5)
+    watching.set()
+    assert unready_at, "readiness never turned non-200"
+    print(f"\ntarget killed: unready after {unready_at[0] - killed:.1f} s")
+    assert unready_at[0] - killed <= TARGET_UNREADY_SECONDS
+    for outcome in outcomes:
+        assert isinstance(outcome, InferenceServerException), outcome
+        assert "target" in outcome.message(), outcome.message()
+
+    _wait(lambda: _ready(healing.address), TARGET_BACK_SECONDS - (time.monotonic() - killed), "ready again",
+          healing.log_path)
+    again = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    print(f"target killed: serving again after {time.monotonic() - killed:.1f} s")
+    assert time.monotonic() - killed <= TARGET_BACK_SECONDS
+    assert again.text == expected and again.draft_tokens > 0
+    assert _watchdog_metric(healing.watchdog_url, "specdec_engine_recoveries_total", "target") == 1
+    _unharmed(healing, tree, replaced="target")
+    healing.memory.append(_memory(healing))
+
+
+def test_three_crash_cycles_leave_memory_where_it_was(healing):
+    """Third cycle (a draft kill again), then tritonserver's RSS and the stubs'
+    shared memory against their values before the first kill. The dead
+    engines' weights die with their processes; what Triton 2.51 keeps of a
+    dead instance (its calls in flight are never released, so its 1 MiB
+    shared-memory region and bookkeeping stay) must stay that small."""
+    outcomes, _ = _under_load(healing, "draft", drafter="draft_model")
+    assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+    _wait(lambda: _watchdog_metric(healing.watchdog_url, "specdec_engine_recoveries_total", "draft") == 2,
+          DRAFT_BACK_SECONDS, "third recovery", healing.log_path)
+    complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    healing.memory.append(_memory(healing))
+    (rss0, shm0), (rss1, shm1), (rss2, shm2), (rss3, shm3) = healing.memory
+    print(f"\ntritonserver RSS MiB: {rss0 / 1024:.0f} before, then {rss1 / 1024:.0f}, {rss2 / 1024:.0f}, "
+          f"{rss3 / 1024:.0f} after each crash; stubs' /dev/shm MiB: {shm0 / 2**20:.0f}, {shm1 / 2**20:.0f}, "
+          f"{shm2 / 2**20:.0f}, {shm3 / 2**20:.0f}")
+    assert rss3 - rss0 <= 3 * PER_CRASH_KIB, "tritonserver grew by more than a dead instance's bookkeeping"
+    assert shm3 - shm0 <= 3 * PER_CRASH_SHM, "more than a dead stub's region left in /dev/shm"
+
+
+def _unharmed(healing: HealingServer, before: dict[int, str], replaced: str):
+    """Every process of the tree but the killed engine's stub is still there,
+    and that engine has a stub again."""
+    after = _tree(healing)
+    lost = {pid: name for pid, name in before.items() if pid not in after and not name.startswith(f"{replaced}_")}
+    assert not lost, f"processes gone besides {replaced}'s stub: {lost}"
+    assert any(name.startswith(f"{replaced}_") for name in after.values())
+    assert healing.launcher.poll() is None
