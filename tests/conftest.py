@@ -1,19 +1,25 @@
-"""Shared fixtures. ``triton_server`` starts a real tritonserver with the real
-model pair (cpu profile) once per test session, on free ports.
+"""Shared fixtures. ``triton_server`` runs ``specdec-serve`` (the production
+launch: tritonserver with the real model pair, cpu profile, its engine
+watchdog and the OpenAI-compatible frontend) once per test session, on free
+ports.
 
-That server is the production launch (``launcher.launch``, the
-cpu profile's configs unchanged) plus two test-only settings: a known admin
-key (so the security tests can use the restricted APIs) and the CPU engine's
-fault injection (cpu_engine/faults.py), whose rules fire
-only for requests carrying one of the reserved seeds in ``FAULT_SEEDS``
-(>= 2^63; requests without a seed get one below 2^63). Every other request
-is served exactly as in production, so one server covers the ordinary and the
-failure tests (a second server would need another ~6 GB and ~90 s)."""
+The only test-only settings are a known admin key (so the security tests can
+use the restricted APIs) and the CPU engine's fault injection
+(cpu_engine/faults.py), whose rules fire only for requests carrying one of
+the reserved seeds in ``FAULT_SEEDS`` (>= 2^63; requests without a seed get
+one below 2^63). Every other request is served exactly as in production, so
+one server covers the ordinary and the failure tests (a second server would
+need another ~6 GB and a minute or more). The tests that kill its engines
+(tests/test_server_selfheal.py) run last."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +44,9 @@ class ServerAddress:
     faults: bool = False  # the FAULT_SEEDS rules are active
     draft_deadline: float | None = None
     log_path: Path | None = None
+    openai_url: str | None = None  # the OpenAI-compatible API's base URL, as OpenAI clients take it (.../v1)
+    watchdog_url: str | None = None  # the engine watchdog's /metrics
+    launcher_pid: int | None = None  # specdec-serve's process id, when the tests started it
 
 
 def free_port() -> int:
@@ -97,6 +106,43 @@ def real_target_dir() -> Path:
     return prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that kill the session server's engines run after all others."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_engines") is not None)
+
+
+@contextmanager
+def specdec_serve(env: dict[str, str], log_path: Path, timeout: float = 900):
+    """``specdec-serve`` (``python -m launcher.launch``) with ``env`` added to
+    this environment, its output in ``log_path``; yields the launcher's Popen
+    and tritonserver's process id once it says it is ready; stopped on exit
+    as a supervisor stops it (SIGTERM)."""
+    from launcher.launch import PROJECT_ROOT
+    from tools.soak import process_memory, process_tree
+
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "launcher.launch"], cwd=PROJECT_ROOT,
+                                    env=dict(os.environ, **env), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while "specdec: ready" not in log_path.read_text(errors="replace"):
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-5000:]
+                raise RuntimeError(f"specdec-serve not ready (exit code {launcher.poll()}); log tail:\n{tail}")
+            time.sleep(1.0)
+        server_pid = next(pid for pid in process_tree(launcher.pid)
+                          if (process_memory(pid) or ("",))[0] == "tritonserver")
+        yield launcher, server_pid
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory) -> ServerAddress:
     # Point the tests at an already running server (e.g. `make serve`) to iterate quickly.
@@ -104,51 +150,44 @@ def triton_server(tmp_path_factory) -> ServerAddress:
     if external:
         host = external.rsplit(":", 1)[0]
         yield ServerAddress(external, f"http://{host}:8000", f"http://{host}:8002",
-                            admin_key=os.environ.get("SPECDEC_ADMIN_KEY") or None)
+                            admin_key=os.environ.get("SPECDEC_ADMIN_KEY") or None,
+                            openai_url=f"http://{host}:9000/v1", watchdog_url=f"http://{host}:8003/metrics")
         return
 
     from cpu_engine.faults import ALLOW_VAR, FAULTS_VAR
-    from launcher.launch import ServerOptions, new_admin_key
+    from launcher.launch import ADMIN_KEY_VAR, new_admin_key
+    from selfheal.exposition import PORT_VAR as WATCHDOG_PORT_VAR
+    from launcher.openai_frontend import PORT_VAR as OPENAI_PORT_VAR
 
     admin_key = new_admin_key()
-    options = ServerOptions(
-        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), admin_key=admin_key,
-        extra_env={FAULTS_VAR: fault_rules(), ALLOW_VAR: "1"},
-    )
-    log_path = Path(tmp_path_factory.mktemp("triton")) / "tritonserver.log"
-    with running_server(options, log_path) as process:
+    http, grpc, metrics, openai, watchdog = (free_port() for _ in range(5))
+    env = {
+        "SPECDEC_HTTP_PORT": str(http), "SPECDEC_GRPC_PORT": str(grpc), "SPECDEC_METRICS_PORT": str(metrics),
+        OPENAI_PORT_VAR: str(openai), WATCHDOG_PORT_VAR: str(watchdog), ADMIN_KEY_VAR: admin_key,
+        FAULTS_VAR: fault_rules(), ALLOW_VAR: "1",
+        # Calls a killed engine had are never released, so a stop after the engine-killing
+        # tests would wait Triton's whole exit timeout (30 s by default) for them.
+        "SPECDEC_TRITON_ARGS": "--exit-timeout-secs=5",
+    }
+    log_path = Path(tmp_path_factory.mktemp("triton")) / "specdec-serve.log"
+    with specdec_serve(env, log_path) as (launcher, server_pid):
         yield ServerAddress(
-            f"127.0.0.1:{options.grpc_port}",
-            f"http://127.0.0.1:{options.http_port}",
-            f"http://127.0.0.1:{options.metrics_port}",
+            f"127.0.0.1:{grpc}",
+            f"http://127.0.0.1:{http}",
+            f"http://127.0.0.1:{metrics}",
             admin_key=admin_key,
-            pid=process.pid,
+            pid=server_pid,
             faults=True,
             draft_deadline=_configured_draft_deadline(),
             log_path=log_path,
+            openai_url=f"http://127.0.0.1:{openai}/v1",
+            watchdog_url=f"http://127.0.0.1:{watchdog}/metrics",
+            launcher_pid=launcher.pid,
         )
 
 
 @pytest.fixture(scope="session")
-def openai_frontend(triton_server, real_target_dir, tmp_path_factory) -> str:
-    """The OpenAI-compatible API (frontend/openai_server.py) in front of
-    ``triton_server``, started as specdec-serve starts it, on a free port; its
-    base URL (``http://127.0.0.1:<port>/v1``, what OpenAI clients take)."""
-    from launcher import openai_frontend as frontend
-    from launcher.launch import ADMIN_KEY_VAR
-
-    port = free_port()
-    log_path = Path(tmp_path_factory.mktemp("openai")) / "frontend.log"
-    with open(log_path, "wb") as log:
-        process = frontend.start(triton_server.grpc_url, real_target_dir, "127.0.0.1", port,
-                                 secret_vars=(ADMIN_KEY_VAR,), stdout=log, stderr=log)
-    url = frontend.base_url("127.0.0.1", port)
-    try:
-        try:
-            frontend.wait_until_ready(process, url, timeout=300)
-        except Exception:
-            print(log_path.read_text(errors="replace")[-5000:])
-            raise
-        yield f"{url}/v1"
-    finally:
-        frontend.stop(process)
+def openai_frontend(triton_server) -> str:
+    """The base URL of the OpenAI-compatible API (frontend/openai_server.py)
+    that specdec-serve runs in front of ``triton_server``."""
+    return triton_server.openai_url

@@ -1,6 +1,6 @@
-"""Self-healing against a real server: ``specdec-serve`` (tritonserver plus
-its engine watchdog) of its own, whose engine processes are killed with
-SIGKILL as an out-of-memory kill or a segfault would end them.
+"""Self-healing against the session server (``specdec-serve``: tritonserver
+plus its engine watchdog), whose engine processes are killed with SIGKILL as
+an out-of-memory kill or a segfault would end them.
 
 * the draft's stub killed under load: the requests in flight complete,
   identical to plain decoding, the server stays ready, and speculation
@@ -11,15 +11,13 @@ SIGKILL as an out-of-memory kill or a segfault would end them.
 * no other process of the server's tree is touched, and three crash/recover
   cycles leave tritonserver's memory and /dev/shm where they were.
 
-One server for the whole module (killing engines would disturb the session
-server the other real-server tests share)."""
+Marked ``kills_engines``: they run after every other test (tests/conftest.py),
+so no other test shares the server with a dead engine."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -29,19 +27,20 @@ from pathlib import Path
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from launcher.launch import ADMIN_KEY_VAR, PROJECT_ROOT, new_admin_key
 from selfheal import stubs
-from tests.conftest import ServerAddress, free_port
+from tests.conftest import ServerAddress
 from tests.server_client import complete, http_status
 from tools.soak import process_memory, process_tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kills_engines]
 
 PROMPTS = ("def fibonacci(n):\n    ", "def is_prime(n: int) -> bool:\n    ")
 TOKENS = 40  # per request: enough rounds to be in flight at the kill, few enough to stay quick
 DRAFT_BACK_SECONDS = 60
 TARGET_UNREADY_SECONDS = 10
 TARGET_BACK_SECONDS = 120
+# The draft model on a fixed window: drafts every round whatever the policy learned from earlier tests.
+DRAFTING = dict(drafter="draft_model", speculation_window=4, adaptive_window=False)
 PER_CRASH_KIB = 8 * 1024  # measured: about 1 MiB of tritonserver's RSS per crash
 PER_CRASH_SHM = 2 * 2**20  # measured: the dead stub's 1 MiB region (shm-default-byte-size)
 
@@ -49,7 +48,7 @@ PER_CRASH_SHM = 2 * 2**20  # measured: the dead stub's 1 MiB region (shm-default
 @dataclass
 class HealingServer:
     address: ServerAddress
-    launcher: subprocess.Popen
+    launcher_pid: int
     server_pid: int
     watchdog_url: str
     log_path: Path
@@ -75,37 +74,14 @@ def _ready(address: ServerAddress) -> bool:
 
 
 @pytest.fixture(scope="module")
-def healing(tmp_path_factory) -> HealingServer:
-    """``python -m launcher.launch`` (specdec-serve) on free ports, no OpenAI frontend."""
-    http, grpc, metrics, watchdog = free_port(), free_port(), free_port(), free_port()
-    env = dict(os.environ, SPECDEC_HTTP_PORT=str(http), SPECDEC_GRPC_PORT=str(grpc),
-               SPECDEC_METRICS_PORT=str(metrics), SPECDEC_OPENAI_PORT="0", SPECDEC_WATCHDOG_PORT=str(watchdog),
-               # The dead instances' calls are never released, so a stop waits Triton's whole exit
-               # timeout (30 s by default) for them.
-               SPECDEC_TRITON_ARGS="--exit-timeout-secs=5")
-    env[ADMIN_KEY_VAR] = new_admin_key()
-    log_path = Path(tmp_path_factory.mktemp("selfheal")) / "specdec-serve.log"
-    address = ServerAddress(f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}",
-                            log_path=log_path)
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "launcher.launch"], cwd=PROJECT_ROOT, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait(lambda: "specdec: ready" in log_path.read_text(errors="replace") or launcher.poll() is not None,
-              900, "specdec-serve ready", log_path, step=1.0)
-        assert launcher.poll() is None, log_path.read_text(errors="replace")[-4000:]
-        server_pid = next(pid for pid in process_tree(launcher.pid)
-                          if (process_memory(pid) or ("",))[0] == "tritonserver")
-        watchdog_url = f"http://127.0.0.1:{watchdog}/metrics"
-        _wait(lambda: _watchdog_metric(watchdog_url, "specdec_engine_up", "draft") == 1, 60, "watchdog", log_path)
-        yield HealingServer(address, launcher, server_pid, watchdog_url, log_path)
-    finally:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+def healing(triton_server) -> HealingServer:
+    if not triton_server.launcher_pid:
+        pytest.skip("kills engine processes: needs a server the tests started")
+    healing = HealingServer(triton_server, triton_server.launcher_pid, triton_server.pid,
+                            triton_server.watchdog_url, triton_server.log_path)
+    _wait(lambda: _watchdog_metric(healing.watchdog_url, "specdec_engine_up", "draft") == 1, 60, "watchdog",
+          healing.log_path)
+    return healing
 
 
 def _watchdog_metric(url: str, name: str, model: str) -> float | None:
@@ -121,7 +97,7 @@ def _watchdog_metric(url: str, name: str, model: str) -> float | None:
 def _tree(healing: HealingServer) -> dict[int, str]:
     """pid -> name of every process under specdec-serve (stubs named after their instance)."""
     names = {}
-    for pid in process_tree(healing.launcher.pid):
+    for pid in process_tree(healing.launcher_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -175,7 +151,7 @@ def _under_load(healing: HealingServer, victim: str, **request) -> tuple[list, f
 
 def test_a_killed_draft_costs_no_request_and_speculation_comes_back(healing):
     plain = [complete(healing.address, p, max_tokens=TOKENS, speculation_window=0).text for p in PROMPTS]
-    before = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    before = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, **DRAFTING)
     assert before.draft_tokens > 0
     tree = _tree(healing)
     memory_before = _memory(healing)
@@ -190,13 +166,13 @@ def test_a_killed_draft_costs_no_request_and_speculation_comes_back(healing):
 
     watcher = threading.Thread(target=watch_readiness)
     watcher.start()
-    outcomes, killed = _under_load(healing, "draft", drafter="draft_model")
+    outcomes, killed = _under_load(healing, "draft", **DRAFTING)
     for outcome, expected in zip(outcomes, plain):
         assert not isinstance(outcome, Exception), outcome
         assert outcome.completion_tokens == TOKENS and outcome.text == expected
 
     def drafting():
-        result = complete(healing.address, PROMPTS[1], max_tokens=TOKENS, drafter="draft_model")
+        result = complete(healing.address, PROMPTS[1], max_tokens=TOKENS, **DRAFTING)
         assert result.text == plain[1]  # every request in between succeeds
         return result.draft_tokens > 0
 
@@ -241,7 +217,7 @@ def test_a_killed_target_turns_the_server_unready_then_it_serves_again(healing):
 
     _wait(lambda: _ready(healing.address), TARGET_BACK_SECONDS - (time.monotonic() - killed), "ready again",
           healing.log_path)
-    again = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    again = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, **DRAFTING)
     print(f"target killed: serving again after {time.monotonic() - killed:.1f} s")
     assert time.monotonic() - killed <= TARGET_BACK_SECONDS
     assert again.text == expected and again.draft_tokens > 0
@@ -256,11 +232,11 @@ def test_three_crash_cycles_leave_memory_where_it_was(healing):
     engines' weights die with their processes; what Triton 2.51 keeps of a
     dead instance (its calls in flight are never released, so its 1 MiB
     shared-memory region and bookkeeping stay) must stay that small."""
-    outcomes, _ = _under_load(healing, "draft", drafter="draft_model")
+    outcomes, _ = _under_load(healing, "draft", **DRAFTING)
     assert all(not isinstance(o, Exception) for o in outcomes), outcomes
     _wait(lambda: _watchdog_metric(healing.watchdog_url, "specdec_engine_recoveries_total", "draft") == 2,
           DRAFT_BACK_SECONDS, "third recovery", healing.log_path)
-    complete(healing.address, PROMPTS[0], max_tokens=TOKENS, drafter="draft_model")
+    complete(healing.address, PROMPTS[0], max_tokens=TOKENS, **DRAFTING)
     healing.memory.append(_memory(healing))
     (rss0, shm0), (rss1, shm1), (rss2, shm2), (rss3, shm3) = healing.memory
     print(f"\ntritonserver RSS MiB: {rss0 / 1024:.0f} before, then {rss1 / 1024:.0f}, {rss2 / 1024:.0f}, "
@@ -277,4 +253,4 @@ def _unharmed(healing: HealingServer, before: dict[int, str], replaced: str):
     lost = {pid: name for pid, name in before.items() if pid not in after and not name.startswith(f"{replaced}_")}
     assert not lost, f"processes gone besides {replaced}'s stub: {lost}"
     assert any(name.startswith(f"{replaced}_") for name in after.values())
-    assert healing.launcher.poll() is None
+    assert stubs.alive(healing.launcher_pid)
