@@ -18,12 +18,12 @@ def local_url(address: str, port: int) -> str:
     return f"http://{local_host(address)}:{port}"
 
 
-def wait_for(process: subprocess.Popen, url: str, name: str, timeout: float) -> None:
-    """Until ``url`` answers 200; an error naming ``name`` if its process exits
-    first or the time runs out."""
+def wait_for(process: subprocess.Popen | None, url: str, name: str, timeout: float) -> None:
+    """Until ``url`` answers 200; an error naming ``name`` if its process
+    (None: started elsewhere) exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code = process.poll()
+        code = None if process is None else process.poll()
         if code is not None:
             raise RuntimeError(f"{name} exited with code {code} before it was ready (see its log above)")
         try:

@@ -15,9 +15,8 @@ import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
+from launcher import readiness
 from selfheal import exposition, probe, stubs, triton_admin
 from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
 
@@ -103,20 +102,6 @@ class Watcher:
         return next_action
 
 
-def wait_for_server(http_url: str, timeout: float) -> bool:
-    """Until Triton answers ready (engines may load for minutes)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=5) as response:
-                if response.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(2)
-    return False
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m selfheal.watchdog", description=__doc__.split("\n\n")[0])
     parser.add_argument("--http-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint")
@@ -168,9 +153,12 @@ def main(argv=None) -> int:
     except ValueError as error:
         say(str(error))
         return 2
-    if args.wait_for_server and not wait_for_server(args.http_url, args.wait_for_server):
-        say(f"tritonserver was not ready within {args.wait_for_server:g} s")
-        return 1
+    if args.wait_for_server:
+        try:  # engines may load for minutes
+            readiness.wait_for(None, f"{args.http_url}/v2/health/ready", "tritonserver", args.wait_for_server)
+        except TimeoutError as error:
+            say(str(error))
+            return 1
     stop = threading.Event()
     watchers = [Watcher(model, args, admin_key, settings, stop) for model in args.models]
     if args.metrics_port:
