@@ -82,6 +82,13 @@ class LoadGovernor:
         self.regimes[bucket] = self._next(bucket, regime)
         self._started, self._tokens = now, 0
 
+    def disrupted(self) -> None:
+        """An engine failed: the epoch in progress measures the outage, not its
+        regime (a target down for a 40 s reload once counted as a speculative
+        epoch of almost no tokens, and plain decoding won that load until
+        speculation was explored again). The next epoch starts afresh."""
+        self._bucket, self._tokens = None, 0
+
     def rate(self, streams: int, regime: str) -> float | None:
         average = self.rates.get((load_bucket(streams), regime))
         return None if average is None else average.value

@@ -299,6 +299,8 @@ class SpeculationPolicy:
 
     def draft_failed(self, error: BaseException) -> None:
         self._enter(Mode.DRAFT_FAILED, f"draft model failed: {error}")
+        if self.governor is not None:
+            self.governor.disrupted()
 
     # -- state changes -----------------------------------------------------
     def _enter(self, mode: Mode, reason: str) -> None:

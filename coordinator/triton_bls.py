@@ -291,6 +291,7 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except EngineError as error:
             log.error("engine failure: %s", error)
+            self.governor.disrupted()
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except Exception as error:  # never leave a stream open
             log.exception("coordinator failure")

@@ -66,6 +66,31 @@ def test_an_epoch_cut_short_by_a_change_of_load_measures_nothing():
     assert governor.rates == {}
 
 
+def test_an_epoch_with_an_engine_failure_measures_nothing():
+    """A target reloading for 40 s under two streams: the epoch that spans the
+    outage would record a speculative rate of almost nothing, and plain decoding
+    would win that load until speculation is explored again."""
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 2)
+    run_epoch(governor, clock, 7.0, streams=2, seconds=4)  # speculating when the engine dies
+    governor.disrupted()
+    clock.now += 40.0  # the reload: nothing emitted
+    run_epoch(governor, clock, 7.0, streams=2, seconds=9)  # serving again, a partial epoch
+    assert governor.rates == {}
+    run_epoch(governor, clock, 7.0, streams=2, seconds=2)  # the epoch that started after the outage ends
+    # counted, the outage would end the first epoch at 35 tokens over 45 s (0.8 tokens/s)
+    assert governor.rate(2, SPECULATE) > 6.5 and governor.speculation_allowed(2)
+
+
+def test_a_failed_draft_call_disrupts_the_governors_epoch():
+    governor = LoadGovernor(epoch_seconds=10.0, clock=Clock())
+    policy = SpeculationPolicy(5, 0.3, costs=CostModel(), governor=governor)
+    governor._bucket = 2
+    policy.draft_failed(RuntimeError("draft: stub process is not healthy"))
+    assert governor._bucket is None and policy.mode is Mode.DRAFT_FAILED
+
+
 def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_fallback():
     clock = Clock()
     governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
