@@ -135,3 +135,14 @@ def test_the_serving_stacks_time_per_round_is_what_the_engines_forwards_do_not_e
     row = summarise([m], [])["rows"][0]
     assert row["overhead_per_round_in_target_forwards"] == m.overhead_per_round
     assert "server plain humaneval 150 12.5%" in format_table(summarise([m], []))
+
+
+def test_the_peers_use_the_dtype_the_server_target_is_configured_with():
+    """run_peers loads the peers in resolve_dtype("auto"): the target's configured dtype."""
+    import inspect
+
+    from tests._config_helpers import model_config, parameter
+    from tools import compare
+
+    assert parameter(model_config("target", "cpu"), "dtype") == "auto"
+    assert 'resolve_dtype("auto")' in inspect.getsource(compare.run_peers)

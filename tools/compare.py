@@ -107,12 +107,17 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cpu_engine.engine import CausalLMEngine, EngineRequest
+    from cpu_engine.engine import DTYPES, CausalLMEngine, EngineRequest, resolve_dtype
 
     torch.set_num_threads(threads)
+    # The target's dtype as the server picks it (its config says auto): bfloat16
+    # where the CPU has it natively, else float32, where emulated bfloat16
+    # would slow the peers down and flatter the server.
+    dtype = resolve_dtype("auto")
+    progress(f"peers in {dtype}, the server target's dtype on this CPU")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
-    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.bfloat16).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=DTYPES[dtype]).eval()
     results = []
     groups = [(HUMANEVAL, length, group) for length, group in prompts.items()]
     if copy:
@@ -140,7 +145,7 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
                          f"{new.numel() / seconds:.2f} tok/s")
         results += [m for m, _ in variants]
     del target, draft
-    engine = CausalLMEngine(str(target_dir), dtype="bfloat16", num_threads=threads, max_cached_sequences=0)
+    engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0)
     for length, group in prompts.items():
         measurement = Measurement(ENGINE, length, 1)
         for prompt in group:
