@@ -111,8 +111,9 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
 
     torch.set_num_threads(threads)
     # The target's dtype as the server picks it (its config says auto): bfloat16
-    # where the CPU has it natively, else float32, where emulated bfloat16
-    # would slow the peers down and flatter the server.
+    # where the CPU has it natively, else float32. Peers in another dtype are
+    # another comparison: on an AVX2-only CPU emulated bfloat16 slowed assisted
+    # generation to about 0.6x its float32 speed.
     dtype = resolve_dtype("auto")
     progress(f"peers in {dtype}, the server target's dtype on this CPU")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
