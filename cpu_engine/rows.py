@@ -81,14 +81,14 @@ def invariant_floor(multiply, width: int, budget: int, dtype: torch.dtype, gener
     wherever the row sits in the block."""
     rows = torch.randn(budget, width, generator=generator).to(dtype)
     reference = multiply(rows)
-    agrees: dict[tuple[int, int], bool] = {}
-    for m in probe_counts(budget):
-        for start in sorted({0, (budget - m) // 2}):
-            agrees[m, start] = torch.equal(multiply(rows[start : start + m]), reference[start : start + m])
+    # each count at the block's start and shifted into it
+    agrees = {m: all(torch.equal(multiply(rows[start : start + m]), reference[start : start + m])
+                     for start in {0, (budget - m) // 2})
+              for m in probe_counts(budget)}
     for floor in FLOORS:
         if floor > budget:
             break
-        if all(same for (m, _), same in agrees.items() if m >= floor):
+        if all(same for m, same in agrees.items() if m >= floor):
             return floor
     return None
 
