@@ -65,6 +65,15 @@ class SequenceKV:
         self.keys[layer], self.values[layer] = key, value
         return key, value
 
+    def prefix(self, length: int) -> "SequenceKV":
+        """A new cache holding a copy of the first ``length`` positions."""
+        copy = SequenceKV(len(self.keys))
+        for layer, key in enumerate(self.keys):
+            if key is not None:
+                copy.keys[layer] = key[:, :, :length].clone()
+                copy.values[layer] = self.values[layer][:, :, :length].clone()
+        return copy
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions."""
         for layer, key in enumerate(self.keys):

@@ -158,7 +158,10 @@ class CausalLMEngine:
         self.vocab_size = int(self.model.config.vocab_size)
         self.layers = int(self.model.config.num_hidden_layers)
         self.max_context_tokens = max_context_tokens
-        self.pool = PrefixCachePool(max_cached_sequences)
+        # An entry of the same sequence goes on past its next call by the drafts
+        # a verification fed and rejected at most (a plain stretch by none).
+        self.pool = PrefixCachePool(max_cached_sequences, tail=max_draft_len,
+                                    copy_prefix=lambda sequence, length: sequence.prefix(length))
         # The target's rows must not depend on their batch-mates (lossless greedy
         # speculation); the draft only proposes, so it skips the measurement.
         fixed_rows = max(attention.BLOCK_ROWS, max_draft_len + 1)

@@ -7,11 +7,19 @@ the CPU engine: ``take`` hands out the entry sharing the longest common prefix
 with the request (the caller crops it to that length), ``put`` stores it back,
 least-recently-used entries are evicted beyond ``capacity``. Caches are opaque
 here.
+
+An entry that goes on for more than ``tail`` tokens past the shared prefix is
+another sequence (two prompts with one preamble, the same prompt asked again),
+not this one with rejected drafts at its end: it stays in the pool, and the
+request gets a copy of the shared prefix (``copy_prefix``). Taking it would
+crop that sequence to the preamble, and its next call would compute its
+whole prompt again, as TensorRT-LLM's block reuse never makes a sequence do.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import count
 from typing import Any
 
@@ -19,10 +27,17 @@ import numpy as np
 
 
 class PrefixCachePool:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, tail: int | None = None,
+                 copy_prefix: Callable[[Any, int], Any] | None = None):
+        """``tail``: the most tokens an entry of the same sequence holds past what its
+        next call shares (the drafts a verification rejects); None: every entry is taken."""
         if capacity < 0:
             raise ValueError(f"max_cached_sequences must be >= 0, got {capacity}")
+        if tail is not None and (tail < 0 or copy_prefix is None):
+            raise ValueError("a pool that keeps other sequences' entries needs tail >= 0 and copy_prefix")
         self.capacity = capacity
+        self.tail = tail
+        self.copy_prefix = copy_prefix
         self._entries: OrderedDict[int, tuple[np.ndarray, Any]] = OrderedDict()
         self._keys = count()
 
@@ -55,8 +70,13 @@ class PrefixCachePool:
                 best_key, best_len = key, shared
         if best_key is None:
             return None, 0
-        _, cache = self._entries.pop(best_key)
-        return cache, min(best_len, len(tokens) - 1)
+        reusable = min(best_len, len(tokens) - 1)
+        cached, cache = self._entries[best_key]
+        if self.tail is not None and len(cached) - best_len > self.tail:  # another sequence's: it stays
+            self._entries.move_to_end(best_key)
+            return self.copy_prefix(cache, reusable), reusable
+        del self._entries[best_key]
+        return cache, reusable
 
     def put(self, tokens: np.ndarray, cache: Any) -> None:
         if self.capacity == 0 or len(tokens) == 0:

@@ -316,3 +316,19 @@ def test_a_cache_that_went_on_differently_is_reused_up_to_where_it_agrees(model_
     result, expected = warm.run(request), cold.run(request)
     assert result.reused_tokens == len(PROMPT) + 1
     assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)
+
+
+def test_a_prompt_sharing_a_preamble_copies_it_and_leaves_the_other_sequence_whole(model_dir):
+    """Two requests with one preamble: the second starts from a copy of it, and
+    the first's next call still finds its whole cache (bitwise as computed fresh)."""
+    cold, warm = engine(model_dir, cached=0), engine(model_dir)
+    first = list(PROMPT) + [7] * 12
+    first += warm.run(EngineRequest(np.array(first), 3)).tokens
+    second = EngineRequest(np.array(list(PROMPT) + [9, 9]), 3, return_logits=True)
+    result, expected = warm.run(second), cold.run(second)
+    assert result.reused_tokens == len(PROMPT)
+    assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)
+    following = EngineRequest(np.array(first), 2, return_logits=True)
+    result, expected = warm.run(following), cold.run(following)
+    assert result.reused_tokens == len(first) - 1  # not cropped to the preamble by the other prompt
+    assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from cpu_engine.kv_pool import PrefixCachePool
 
@@ -51,3 +52,39 @@ def test_cached_tokens_counts_what_the_pool_holds():
     pool.put(np.array([7] * 10), "c")
     pool.put(np.array([8] * 10), "d")  # "b" evicted
     assert (len(pool), pool.cached_tokens) == (2, 20)
+
+
+def copy_of(cache, length):
+    return ("copy", cache, length)
+
+
+def test_an_entry_past_a_shared_preamble_is_another_sequence_and_stays():
+    """Two prompts that share a preamble: the second reuses a copy of it, and the
+    first keeps its whole cache for its next call."""
+    pool = PrefixCachePool(4, tail=2, copy_prefix=copy_of)
+    pool.put(np.array([1, 2, 3, 4, 5, 6]), "first prompt and its tokens")
+    assert pool.take(np.array([1, 2, 8, 9])) == (("copy", "first prompt and its tokens", 2), 2)
+    assert pool.take(np.array([1, 2, 3, 4, 5, 6, 7])) == ("first prompt and its tokens", 6)
+    assert len(pool) == 0
+
+
+def test_an_entry_that_ends_with_rejected_drafts_is_the_same_sequence_and_is_taken():
+    pool = PrefixCachePool(4, tail=2, copy_prefix=copy_of)
+    pool.put(np.array([1, 2, 3, 4, 5]), "drafts 4 and 5 rejected")
+    assert pool.take(np.array([1, 2, 3, 7])) == ("drafts 4 and 5 rejected", 3)
+    assert len(pool) == 0
+
+
+def test_a_kept_entry_counts_as_recently_used():
+    pool = PrefixCachePool(2, tail=0, copy_prefix=copy_of)
+    pool.put(np.array([1, 2, 3]), "a")
+    pool.put(np.array([4, 5, 6]), "b")
+    pool.take(np.array([1, 9]))  # a copy of "a"'s first token; "a" stays, now the most recent
+    pool.put(np.array([7, 8]), "c")  # "b" is evicted, not "a"
+    assert pool.take(np.array([4, 5, 6, 0]))[0] is None
+    assert pool.take(np.array([1, 2, 3, 0])) == ("a", 3)
+
+
+def test_keeping_entries_needs_a_way_to_copy_them():
+    with pytest.raises(ValueError, match="copy_prefix"):
+        PrefixCachePool(2, tail=1)
