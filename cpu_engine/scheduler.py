@@ -9,7 +9,12 @@ forward's decode rows leave of the budget, so a long prompt never stalls the
 running streams for more than one forward. Decode then feeds the last input
 token (with the k drafts of a verification) and, for plain decoding, one new
 token per forward until the call is finished. Decode rows go first; each
-forward takes whole calls in arrival order.
+forward takes whole calls in arrival order. Prefill chunks then go shortest
+remaining prefill first: a running stream's catch-up of a few tokens (a draft
+call after a verified round) is a round waiting on it, while a long prompt's
+prefill (a new request, the draft's background warm-up) only gives up those
+few rows; in arrival order, that catch-up waited behind every prompt queued
+before it.
 
 No torch here: the engine supplies ``forward(works)``, which runs one packed
 forward and returns each work's logits (tests drive the scheduler with a fake).
@@ -113,8 +118,9 @@ class Scheduler:
 
     def next_forward(self) -> list[Work]:
         """The works of the next forward: decode rows first (whole calls), then
-        prefill chunks in arrival order filling the rest of the budget. A call
-        whose decode rows alone exceed the budget gets a forward of its own."""
+        prefill chunks, shortest remaining prefill first (ties in arrival order),
+        filling the rest of the budget. A call whose decode rows alone exceed the
+        budget gets a forward of its own."""
         works: list[Work] = []
         used = 0
         for call in self.calls:
@@ -122,7 +128,7 @@ class Scheduler:
             if rows and (used + rows <= self.capacity or not works):
                 works.append(Work(call, list(call.feed), logits=True))
                 used += rows
-        for call in self.calls:
+        for call in sorted(self.calls, key=lambda call: call.prefill_left):  # stable: ties in arrival order
             if used >= self.capacity:
                 break
             left = call.prefill_left

@@ -70,6 +70,30 @@ def test_plain_decoding_continues_until_its_budget_and_reports_the_tokens_it_fee
     assert list(plain.cached_tokens()) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_short_catch_up_is_prefilled_before_prompts_that_arrived_earlier():
+    # Eight prompts' prefills queued (the draft's warm-ups in a crowd), then a
+    # stream's draft call that must first catch up on two verified tokens: it
+    # goes into the next forward, not behind 8 x 50 prompt tokens.
+    scheduler = Scheduler(capacity=8)
+    prompts = [call(51) for _ in range(8)]
+    for c in prompts:
+        scheduler.add(c)
+    step(scheduler)
+    catch_up = call(53, new_tokens=4, reused=50)
+    scheduler.add(catch_up)
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens)) for w in works] == [(catch_up, 2), (prompts[0], 6)]
+    forwards = 1
+    while not catch_up.finished:
+        works, _ = step(scheduler)
+        forwards += 1
+        assert works[0].call is catch_up  # its decode rows go first
+    assert forwards == 5 and catch_up.result.tokens == [54 % VOCAB, 55 % VOCAB, 56 % VOCAB, 57 % VOCAB]
+    # the prompts still go in arrival order among themselves
+    assert prompts[0].prefill_left == 50 - 8 - 6 - 4 * 7 == 8
+    assert all(c.prefill_left == 50 for c in prompts[1:])
+
+
 def test_a_verification_larger_than_what_is_left_waits_for_the_next_forward():
     scheduler = Scheduler(capacity=8)
     first, second = call(3, drafts=(4, 5, 6, 7), reused=2), call(3, drafts=(4, 5, 6), reused=2)
