@@ -136,14 +136,18 @@ class ModelDrafter:
         return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
+        # No deadline: the target decodes while the draft prefills the prompt, so
+        # a slow prefill (a long prompt, a crowd of them) delays no token; the
+        # request drafts once it is done. A dead engine still fails the call.
         if self.seen:
             return None
         self.seen = len(context)
-        return self._prefill(list(context), replace(self.sampling, seed=seed))
+        return self._prefill(list(context), replace(self.sampling, seed=seed), deadline=False)
 
-    async def _prefill(self, context: Sequence[int], sampling: SamplingParams) -> None:
-        """One untimed call that puts ``context`` in the draft engine's cache."""
-        await self.deadline(self.engine.generate(context, 1, sampling))
+    async def _prefill(self, context: Sequence[int], sampling: SamplingParams, deadline: bool = True) -> None:
+        """One call that puts ``context`` in the draft engine's cache (not priced as a draft step)."""
+        call = self.engine.generate(context, 1, sampling)
+        await (self.deadline(call) if deadline else call)
 
     def verified(self, context_length: int) -> None:
         self.seen = context_length

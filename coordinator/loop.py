@@ -32,7 +32,9 @@ left: a long prompt with a short completion decodes without the draft model.
 
 A draft call that raises, or does not answer within ``draft_timeout`` seconds,
 switches the request to target-only decoding (``policy.draft_failed``); the
-late call is left to finish in the background and its answer is dropped.
+late call is left to finish in the background and its answer is dropped. The
+greedy background prefill has no deadline (it delays no token): the request
+drafts once it is done.
 """
 
 from __future__ import annotations

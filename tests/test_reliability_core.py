@@ -66,6 +66,37 @@ def test_a_draft_within_the_deadline_is_used():
     assert policy.mode is Mode.SPECULATING and sum(r.drafted for r in rounds) > 0
 
 
+def test_a_background_prefill_slower_than_the_deadline_still_lets_the_request_draft():
+    """The draft's prefill of a greedy prompt runs while the target decodes: a
+    slow one (a long prompt, a crowd of them) costs no token, so no deadline
+    ends it and the request drafts once it is done."""
+
+    class SlowFirstCall(SlowDraft):
+        async def generate(self, *args, **kwargs):
+            if not self.calls:
+                await asyncio.sleep(self.delay)
+            return await ToyEngine.generate(self, *args, **kwargs)
+
+    class PacedTarget(ToyEngine):
+        async def generate(self, *args, **kwargs):
+            await asyncio.sleep(0.01)
+            return await super().generate(*args, **kwargs)
+
+    draft = SlowFirstCall(0.15)
+    policy = SpeculationPolicy(4, 0.0, adaptive=False)  # the first round plain, then the background prefill
+
+    async def collect():
+        return [r async for r in speculative_decode(
+            [1, 2], 60, draft=draft, target=PacedTarget(), policy=policy, sampling=GREEDY, end_ids=(999,),
+            draft_timeout=0.05)]
+
+    rounds = asyncio.run(collect())
+    plain, _ = decode([1, 2], 60, ToyEngine(), ToyEngine(), draft_timeout=None, window=0)
+    assert [t for r in rounds for t in r.tokens] == [t for r in plain for t in r.tokens]
+    assert draft.calls[0] == (1, 0)  # the prefill, which outlived the deadline three times over
+    assert policy.mode is not Mode.DRAFT_FAILED and sum(r.drafted for r in rounds) > 0
+
+
 def test_a_late_draft_that_then_fails_is_not_reported_as_never_retrieved(caplog):
     class SlowFailing(SlowDraft):
         async def generate(self, *args, **kwargs):
@@ -145,20 +176,22 @@ def test_draft_timeout_is_counted_as_a_draft_failure_in_the_metrics():
     recorder = MetricsRecorder(make)
     metrics = recorder.start_request()
     settings = CoordinatorSettings(draft_timeout_seconds=0.02)
-    target = SlowDraft(0.01)  # the draft's prompt prefill runs behind the target's first rounds
+    # The draft's prompt prefill (no deadline) runs behind the target's first
+    # rounds, paced so that it ends in time for a proposal, which is late.
+    target = SlowDraft(0.01)
     target.logits_fn = small_vocab_logits
     draft = SlowDraft(0.2)
     draft.logits_fn = small_vocab_logits
 
     async def collect():
-        chunks = [c async for c in generate_text(request(max_tokens=8), tiny_codec(), draft=draft, target=target,
+        chunks = [c async for c in generate_text(request(max_tokens=64), tiny_codec(), draft=draft, target=target,
                                                  settings=settings, metrics=metrics)]
         await asyncio.sleep(0.3)
         return chunks
 
     chunks = asyncio.run(collect())
     metrics.finish("success")
-    assert chunks[-1].final and chunks[-1].stats.completion_tokens == 8
+    assert chunks[-1].final and chunks[-1].stats.completion_tokens == 64
     assert "did not answer within 0.02 s" in chunks[-1].stats.fallback_reason
     assert instruments[DRAFT_FAILURES].total == 1
     assert instruments[REQUESTS["success"]].total == 1
