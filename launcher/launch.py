@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
-from launcher import assets, engine_watchdog, openai_frontend, readiness, tritonserver
-from selfheal import exposition
+from launcher import assets, engine_watchdog, openai_frontend, tritonserver
+from selfheal import exposition, readiness
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent

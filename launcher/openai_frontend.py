@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import readiness
+from selfheal import readiness
 
 DEFAULT_PORT = 9000
 PORT_VAR = "SPECDEC_OPENAI_PORT"

@@ -16,8 +16,7 @@ import sys
 import threading
 import time
 
-from launcher import readiness
-from selfheal import exposition, probe, stubs, triton_admin
+from selfheal import exposition, probe, readiness, stubs, triton_admin
 from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
 
 ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"

@@ -58,3 +58,60 @@ def test_the_checks_would_catch_a_forbidden_import(tmp_path):
     sample = tmp_path / "bad.py"
     sample.write_text("def later():\n    import torch.nn\n    from tritonclient.grpc import x\n")
     assert forbidden(imported(sample)) == ["torch.nn", "tritonclient.grpc"]
+
+
+# -- the GPU image ---------------------------------------------------------------
+
+LOCAL_PACKAGES = {"coordinator", "cpu_engine", "frontend", "launcher", "selfheal", "tools"}
+
+
+def image_packages(dockerfile: Path) -> set[str]:
+    """The project packages a Dockerfile copies (``COPY name ./name``)."""
+    copied = {line.split()[1] for line in dockerfile.read_text().splitlines()
+              if line.startswith("COPY ") and len(line.split()) == 3 and line.split()[2] == f"./{line.split()[1]}"}
+    return copied & LOCAL_PACKAGES
+
+
+def imported_at_load(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (not those inside functions)."""
+    names = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.Import):
+                names.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names.add(child.module)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+def missing_from_image(packages: set[str]) -> dict[str, list[str]]:
+    found = {}
+    for package in sorted(packages):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            outside = sorted(n for n in imported_at_load(path)
+                             if n.split(".")[0] in LOCAL_PACKAGES - packages)
+            if outside:
+                found[str(path.relative_to(ROOT))] = outside
+    return found
+
+
+def test_the_gpu_image_holds_every_project_package_its_modules_import():
+    """docker/Dockerfile.trtllm copies some packages (not the CPU engine, not the
+    launcher); a module of those that imports another at load would fail the
+    image's own import check at build time, or the watchdog at start."""
+    packages = image_packages(ROOT / "docker" / "Dockerfile.trtllm")
+    assert {"coordinator", "frontend", "selfheal"} <= packages and "cpu_engine" not in packages
+    assert missing_from_image(packages) == {}
+
+
+def test_the_image_check_would_catch_an_import_at_load(tmp_path):
+    sample = tmp_path / "bad.py"
+    sample.write_text("from launcher import readiness\nclass A:\n    import cpu_engine\n"
+                      "def later():\n    import cpu_engine.engine\n")
+    assert imported_at_load(sample) == {"launcher", "cpu_engine"}

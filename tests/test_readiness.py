@@ -1,4 +1,4 @@
-"""One readiness wait for everything specdec-serve starts (launcher/readiness.py)."""
+"""One readiness wait for everything specdec-serve starts (selfheal/readiness.py)."""
 
 import http.server
 import subprocess
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from launcher import readiness
+from selfheal import readiness
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Waiting for a server that specdec-serve started to answer: tritonserver
-and the OpenAI frontend are waited for the same way."""
+"""Waiting for a server to answer: specdec-serve waits so for tritonserver
+and the OpenAI frontend, the engine watchdog for tritonserver (also in the
+GPU image, which has no launcher)."""
 
 from __future__ import annotations
 
