@@ -1,6 +1,11 @@
 """The watchdog's metrics in Prometheus' text format on a port of its own
 (Triton's metrics port serves only what models register, and the engines'
-state must be known even when no request reaches the coordinator)."""
+state must be known even when no request reaches the coordinator).
+
+Written without prometheus-client: the watchdog also runs in the GPU image,
+whose Python packages keep TensorRT-LLM's pins and do not include it, and
+three samples per engine need no library (the tests read this output with
+prometheus-client's reference parser)."""
 
 from __future__ import annotations
 
