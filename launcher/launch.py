@@ -20,6 +20,7 @@ from pathlib import Path
 import coordinator
 from launcher import assets, engine_watchdog, openai_frontend, tritonserver
 from selfheal import exposition, readiness
+from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
@@ -28,14 +29,12 @@ PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
 # the admin key, on HTTP and gRPC alike. Health, metadata and inference stay
 # open. The same list is in docker/trtllm-entrypoint.sh (tests/test_security_config.py).
 RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "statistics", "trace", "logging")
-ADMIN_KEY_HEADER = "specdec-admin-key"
 # Every model loads at start-up; explicit control lets the engine watchdog
 # (selfheal/) reload an engine whose process died. Loading and unloading are
 # model-repository calls, so they too need the admin key.
 MODEL_CONTROL_ARGS = ("--model-control-mode=explicit", "--load-model=*")
 # Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
-ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
 # Defaults for the model processes' CPU runtime (measurements in the README):
 ENGINE_ENV_DEFAULTS = {
     # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape,

@@ -9,7 +9,10 @@ import time
 import urllib.error
 import urllib.request
 
-ADMIN_KEY_HEADER = "specdec-admin-key"  # launcher.launch.ADMIN_KEY_HEADER (tests keep them equal)
+# The header Triton's restricted APIs require (the launcher configures them with
+# it), and the variable that hands the key to the watchdog and the launcher.
+ADMIN_KEY_HEADER = "specdec-admin-key"
+ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
 # A config parameter whose new value makes Triton load a model again: a load
 # of a loaded model with an unchanged config does nothing. The engines ignore it.
 GENERATION_PARAMETER = "reload_generation"

@@ -19,7 +19,6 @@ import time
 from selfheal import exposition, probe, readiness, stubs, triton_admin
 from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
 
-ADMIN_KEY_VAR = "SPECDEC_ADMIN_KEY"
 DETECTORS = ("stubs", "probe")
 
 
@@ -143,9 +142,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    admin_key = os.environ.pop(ADMIN_KEY_VAR, "")
+    admin_key = os.environ.pop(triton_admin.ADMIN_KEY_VAR, "")
     if not admin_key:
-        say(f"{ADMIN_KEY_VAR} is not set: without the admin key no engine can be reloaded")
+        say(f"{triton_admin.ADMIN_KEY_VAR} is not set: without the admin key no engine can be reloaded")
         return 2
     try:
         settings = Settings(args.failures_to_act, args.max_reloads, args.window)

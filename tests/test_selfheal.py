@@ -223,11 +223,6 @@ def test_admin_calls_carry_the_key_and_report_refusals():
         triton_admin.load(url, "draft", "k" * 32, timeout=5)  # nothing listens any more
 
 
-def test_the_admin_header_is_the_launchers():
-    assert triton_admin.ADMIN_KEY_HEADER == launch.ADMIN_KEY_HEADER
-    assert watchdog.ADMIN_KEY_VAR == launch.ADMIN_KEY_VAR
-
-
 # -------------------------------------------------------------- loop ----
 
 def watcher_args(**overrides):
