@@ -1,6 +1,7 @@
 """specdec-compare's pure parts: held-out prompt sets, ratios, identity, the table."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -137,12 +138,36 @@ def test_the_serving_stacks_time_per_round_is_what_the_engines_forwards_do_not_e
     assert "server plain humaneval 150 12.5%" in format_table(summarise([m], []))
 
 
-def test_the_peers_use_the_dtype_the_server_target_is_configured_with():
-    """run_peers loads the peers in resolve_dtype("auto"): the target's configured dtype."""
-    import inspect
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_peers_use_the_dtype_the_server_target_is_configured_with(monkeypatch, native_bf16, expected):
+    """The server's target is configured ``auto``; run_peers loads both peers and the
+    in-process engine in what auto means on this CPU (models stubbed, nothing generated)."""
+    pytest.importorskip("torch")
+    import transformers
 
+    import cpu_engine.engine as engine_module
     from tests._config_helpers import model_config, parameter
     from tools import compare
 
     assert parameter(model_config("target", "cpu"), "dtype") == "auto"
-    assert 'resolve_dtype("auto")' in inspect.getsource(compare.run_peers)
+    loaded = []
+
+    class Loaded:
+        def eval(self):
+            return self
+
+    def from_pretrained(path, dtype=None, **kwargs):
+        loaded.append(("transformers", dtype))
+        return Loaded()
+
+    class Engine:
+        def __init__(self, model_dir, dtype, **kwargs):
+            loaded.append(("engine", dtype))
+
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda cpuinfo=None: native_bf16)
+    monkeypatch.setattr(engine_module, "CausalLMEngine", Engine)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **kwargs: None)
+    assert compare.run_peers(Path("target"), Path("draft"), {}, 8, 1, lambda message: None) == []
+    torch_dtype = engine_module.DTYPES[expected]
+    assert loaded == [("transformers", torch_dtype), ("transformers", torch_dtype), ("engine", expected)]
