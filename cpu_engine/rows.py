@@ -102,7 +102,8 @@ def measure_row_shape(model: torch.nn.Module, budget: int, fallback_rows: int) -
     floor = 1
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) and not hasattr(module, "dequantized_weight"):
+        if not (isinstance(module, torch.nn.Linear) or hasattr(module, "dequantized_weight")
+                or hasattr(module, "packed_weight")):
             continue
         width = getattr(module, "in_features", None) or (weight.shape[1] if weight is not None else None)
         key = (type(module).__name__, width, getattr(module, "out_features", None), str(getattr(weight, "dtype", "")))

@@ -1,0 +1,175 @@
+"""oneDNN's prepacked linear kernel for the engine's float linear layers,
+where a start-up measurement finds it better than torch's default kernel.
+
+Which kernel is better depends on the CPU and the libraries, so both are
+measured on this machine, per distinct linear shape of the model: the row
+count from which every row comes out bitwise the same (rows.invariant_floor:
+a plain decoding step is padded to it) and the time at that floor and at a
+verification's rows. On a 2-vCPU AMD EPYC with AVX2 only (float32, torch
+2.13), the default kernel (MKL, strict reproducible mode) agreed from 4 rows
+and the prepacked one from 1 row, and the prepacked one was faster at 1, 2,
+4 and 8 rows on every shape of the 1.5B target but the 256-wide k/v
+projections (``docs/measurements.md``). One kernel serves every float linear
+layer of a model, so the whole model has one floor.
+
+A packed weight is a copy in oneDNN's blocked layout; an untied layer's
+original weight is freed with the layer it replaces, while a tied ``lm_head``
+keeps the embedding's weights in memory beside its packed copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cpu_engine.rows import invariant_floor
+
+log = logging.getLogger(__name__)
+
+DEFAULT, PACKED = "default", "onednn-packed"
+KERNELS = ("auto", DEFAULT, PACKED)  # the engine's linear_kernel parameter
+VERIFY_ROWS = 8  # rows of a verification, the other forward decoding repeats
+# The choice compares floors over forwards of up to this many rows (every
+# floor the engine knows is below it); the kernel kept is then measured over
+# the engine's whole row budget (rows.measure_row_shape), which decides.
+CHOICE_ROWS = 17
+_TIMING_REPEATS = 3
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight oneDNN has reordered once for its own kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.dtype = linear.weight.dtype
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn packed"
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """One kernel over a model's linear shapes: its floor (None: no row count
+    makes rows agree) and the seconds of one pass over every linear layer at
+    the floor and at VERIFY_ROWS rows."""
+
+    floor: int | None
+    step_seconds: float
+    verify_seconds: float
+
+    @property
+    def usable(self) -> bool:
+        return self.floor is not None
+
+    @property
+    def seconds(self) -> float:
+        return self.step_seconds + self.verify_seconds
+
+
+def _time(layer: nn.Module, rows: torch.Tensor) -> float:
+    layer(rows)  # warm (a first call may compile or allocate)
+    best = float("inf")
+    for _ in range(_TIMING_REPEATS):
+        started = time.perf_counter()
+        layer(rows)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _cost(layers: dict[tuple, tuple[nn.Module, int]], budget: int, generator: torch.Generator) -> KernelCost:
+    """``layers``: shape -> (a layer of that shape, how many the model has)."""
+    floors = {}
+    for shape, (layer, _) in layers.items():
+        floors[shape] = invariant_floor(layer, layer.in_features, budget, layer_dtype(layer), generator)
+    if any(floor is None for floor in floors.values()):
+        return KernelCost(None, float("inf"), float("inf"))
+    floor = max(floors.values(), default=1)
+    step = verify = 0.0
+    for shape, (layer, count) in layers.items():
+        dtype = layer_dtype(layer)
+        step += count * _time(layer, torch.randn(floor, layer.in_features, generator=generator).to(dtype))
+        verify += count * _time(layer, torch.randn(max(floor, min(VERIFY_ROWS, budget)), layer.in_features,
+                                                   generator=generator).to(dtype))
+    return KernelCost(floor, step, verify)
+
+
+def layer_dtype(layer: nn.Module) -> torch.dtype:
+    return layer.dtype if isinstance(layer, PackedLinear) else layer.weight.dtype
+
+
+def float_linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module.weight.is_floating_point()]
+
+
+@torch.no_grad()
+def pack_linear_layers(model: nn.Module, packed: dict[int, PackedLinear] | None = None) -> int:
+    """Replace every float ``nn.Linear`` of ``model`` by a PackedLinear (``packed``:
+    ones already made, by id of the layer they replace); returns how many."""
+    targets = float_linear_layers(model)
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        replacement = (packed or {}).get(id(linear)) or PackedLinear(linear)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+    return len(targets)
+
+
+@torch.inference_mode()
+def choose_linear_kernel(model: nn.Module, budget: int, kernel: str = "auto") -> str:
+    """``auto``: measure both kernels over ``model``'s float ``nn.Linear`` shapes
+    (forwards of up to ``budget`` rows) and, where the prepacked one is usable and
+    costs less, replace every such layer by a PackedLinear; ``default`` or
+    ``onednn-packed``: that kernel, unmeasured. Returns the kernel kept."""
+    if kernel not in KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    targets = float_linear_layers(model)
+    if kernel == PACKED:
+        if not available():
+            raise ValueError("linear_kernel onednn-packed: this torch has no oneDNN linear kernel")
+        pack_linear_layers(model)
+        return PACKED
+    if kernel == DEFAULT or not targets or not available():
+        return DEFAULT
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    shapes: dict[tuple, tuple[nn.Linear, int]] = {}
+    for _, linear in targets:
+        shape = (linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
+        first, count = shapes.get(shape, (linear, 0))
+        shapes[shape] = (first, count + 1)
+    rows = min(budget, CHOICE_ROWS)
+    default = _cost(shapes, rows, generator)
+    try:
+        made = {id(layer): PackedLinear(layer) for layer, _ in shapes.values()}
+        packed = _cost({shape: (made[id(layer)], count) for shape, (layer, count) in shapes.items()},
+                       rows, generator)
+    except RuntimeError as error:  # a oneDNN build without this kernel for the dtype
+        log.info("linear kernel: default (the prepacked kernel failed here: %s)", error)
+        return DEFAULT
+    chosen = PACKED if packed.usable and (not default.usable or packed.seconds < default.seconds) else DEFAULT
+    if chosen == PACKED:
+        pack_linear_layers(model, made)
+    log.info("linear kernel: %s (measured in %.1f s over %d shapes; default: floor %s, %.1f + %.1f ms; "
+             "prepacked: floor %s, %.1f + %.1f ms at the floor + at %d rows)", chosen,
+             time.perf_counter() - started, len(shapes), default.floor, 1e3 * default.step_seconds,
+             1e3 * default.verify_seconds, packed.floor, 1e3 * packed.step_seconds, 1e3 * packed.verify_seconds,
+             VERIFY_ROWS)
+    return chosen

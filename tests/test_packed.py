@@ -1,0 +1,71 @@
+"""The prepacked oneDNN linear kernel and the start-up choice between it and
+torch's default kernel (cpu_engine/packed.py)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from cpu_engine import packed  # noqa: E402
+from cpu_engine.packed import KernelCost, PackedLinear, choose_linear_kernel, pack_linear_layers  # noqa: E402
+from cpu_engine.quantize import quantize_linear  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN linear kernel")
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
+
+
+def test_a_packed_layer_computes_the_linear_layer_for_any_leading_shape():
+    linear = nn.Linear(64, 48)
+    layer = PackedLinear(linear)
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        assert layer(x).shape == (2, 5, 48)
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_replaces_the_float_linear_layers_only():
+    model = tiny_model()
+    quantized, _ = quantize_linear(nn.Linear(64, 64), "int8")
+    model.append(quantized)
+    assert pack_linear_layers(model) == 2
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "ReLU", "PackedLinear", "Int8WeightOnlyLinear"]
+
+
+@pytest.mark.parametrize("kernel, expected", [("default", "Linear"), ("onednn-packed", "PackedLinear")])
+def test_a_named_kernel_is_used_unmeasured(monkeypatch, kernel, expected):
+    monkeypatch.setattr(packed, "_cost", lambda *args: pytest.fail("measured"))
+    model = tiny_model()
+    assert choose_linear_kernel(model, 64, kernel) == kernel
+    assert type(model[0]).__name__ == expected
+
+
+def test_an_unknown_kernel_is_refused_by_name():
+    with pytest.raises(ValueError, match="linear_kernel must be one of auto, default, onednn-packed, got 'mkl'"):
+        choose_linear_kernel(tiny_model(), 64, "mkl")
+
+
+@pytest.mark.parametrize("default, prepacked, expected", [
+    (KernelCost(4, 0.5, 0.6), KernelCost(1, 0.25, 0.4), "onednn-packed"),  # lower floor, faster
+    (KernelCost(1, 0.2, 0.3), KernelCost(1, 0.25, 0.4), "default"),  # the default is faster
+    (KernelCost(None, float("inf"), float("inf")), KernelCost(2, 0.3, 0.4), "onednn-packed"),  # default never agrees
+    (KernelCost(4, 0.5, 0.6), KernelCost(None, float("inf"), float("inf")), "default"),  # packed never agrees
+])
+def test_auto_keeps_the_kernel_that_costs_less_where_its_rows_agree(monkeypatch, default, prepacked, expected):
+    costs = iter([default, prepacked])
+    monkeypatch.setattr(packed, "_cost", lambda *args: next(costs))
+    model = tiny_model()
+    assert choose_linear_kernel(model, 64) == expected
+    assert isinstance(model[0], PackedLinear) == (expected == "onednn-packed")
+
+
+def test_auto_measures_floors_and_times_of_both_kernels():
+    model = tiny_model()
+    chosen = choose_linear_kernel(model, 64)
+    assert chosen in ("default", "onednn-packed")
+    with torch.inference_mode():
+        assert model(torch.randn(3, 64)).shape == (3, 32)
