@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
+from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, quantize_linear_layers
 from cpu_engine.rows import RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
@@ -48,6 +49,7 @@ KNOWN_PARAMETERS = {
     "max_draft_len",
     "row_invariant",
     "weight_quantization",
+    "linear_kernel",
     "reload_generation",  # set by the engine watchdog to reload the model in place (selfheal/triton_admin.py); unused
 }
 # Drafts one verification may carry unless configured: one attention block.
@@ -136,6 +138,7 @@ class CausalLMEngine:
         max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
         row_invariant: bool = True,
         weight_quantization: str = "none",
+        linear_kernel: str = "auto",
     ):
         self.dtype = resolve_dtype(dtype)
         if max_num_tokens < attention.BLOCK_ROWS:
@@ -155,6 +158,8 @@ class CausalLMEngine:
             model_dir, dtype=DTYPES[self.dtype], attn_implementation=attention.NAME)
         self.model.eval()
         self.quantized_layers = quantize_linear_layers(self.model, weight_quantization)
+        # The float linear layers' kernel, measured on this machine (cpu_engine/packed.py).
+        self.linear_kernel = choose_linear_kernel(self.model, max_num_tokens, linear_kernel)
         self.vocab_size = int(self.model.config.vocab_size)
         self.layers = int(self.model.config.num_hidden_layers)
         self.max_context_tokens = max_context_tokens

@@ -58,9 +58,11 @@ class TritonPythonModel:
             max_draft_len=int(params.get("max_draft_len", DEFAULT_MAX_DRAFT_LEN)),
             row_invariant=params.get("row_invariant", "true").lower() == "true",
             weight_quantization=params.get("weight_quantization", "none"),
+            linear_kernel=params.get("linear_kernel", "auto"),
         )
         self.name = args["model_name"]
-        log.info("%s: %s", self.name, self.engine.row_shape.describe())
+        log.info("%s: %s; linear kernel %s", self.name, self.engine.row_shape.describe(),
+                 self.engine.linear_kernel)
         self._gauges = _engine_gauges(self.name)
         self._report()
         self._senders: dict[int, tuple[object, bool]] = {}  # call id -> (response sender, streaming)

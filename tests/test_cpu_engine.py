@@ -100,9 +100,12 @@ def test_auto_dtype_follows_native_bf16_support():
         resolve_dtype("int4")
 
 
-@pytest.mark.parametrize("row_invariant", [True, False])
-def test_verification_matches_plain_decoding(model_dir, row_invariant):
-    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant=row_invariant)
+@pytest.mark.parametrize("row_invariant, linear_kernel", [(True, "default"), (True, "onednn-packed"),
+                                                          (False, "auto")])
+def test_verification_matches_plain_decoding(model_dir, row_invariant, linear_kernel):
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant=row_invariant,
+                       linear_kernel=linear_kernel)
+    assert e.linear_kernel == linear_kernel or linear_kernel == "auto"
     plain = e.run(EngineRequest(PROMPT, 10, return_logits=True))
     # verify the plain tokens 6 at a time
     verified = e.run(EngineRequest(PROMPT, 7, draft_tokens=np.array(plain.tokens[:6]), return_logits=True))
@@ -111,8 +114,10 @@ def test_verification_matches_plain_decoding(model_dir, row_invariant):
         assert np.array_equal(verified.logits, plain.logits[:7])
 
 
-def test_calls_in_one_forward_get_what_they_get_alone(model_dir):
-    e = engine(model_dir, cached=0)
+@pytest.mark.parametrize("linear_kernel", ["default", "onednn-packed"])
+def test_calls_in_one_forward_get_what_they_get_alone(model_dir, linear_kernel):
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_cached_sequences=0,
+                       linear_kernel=linear_kernel)
     prompts = [PROMPT, np.arange(1, 40), np.array([7, 7, 7])]
     alone = [e.run(EngineRequest(p, 5, return_logits=True)) for p in prompts]
     calls = [e.submit(EngineRequest(p, 5, return_logits=True)) for p in prompts]
