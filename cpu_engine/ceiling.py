@@ -120,7 +120,7 @@ def measured_forwards(model_dir: str, dtype: str, scheme: str, context: int, rep
     from cpu_engine.measure import ForwardTimer, load_model
     from cpu_engine.rows import measure_row_shape
 
-    model = load_model(model_dir, dtype, scheme)
+    model, _ = load_model(model_dir, dtype, scheme)
     shape = measure_row_shape(model, capacity, attention.BLOCK_ROWS)
     needed = {shape.rows(n) for n in rows_needed(Forwards(lambda n: 1.0, shape.capacity))}
     timer = ForwardTimer(model, context)

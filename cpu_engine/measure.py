@@ -4,11 +4,15 @@ this machine (a cheap draft step, and a target that verifies k+1 tokens for
 not much more than the cost of one).
 
     python -m cpu_engine.measure --model-dir DIR [--dtypes float32,bfloat16]
-        [--weight-quantization none,int8,int4]
+        [--weight-quantization none,int8,int4] [--linear-kernels default,onednn-packed]
 
 ``--weight-quantization`` measures each model also with weight-only quantized
 linear layers (cpu_engine/quantize.py), as the engine's
-``weight_quantization`` parameter loads them.
+``weight_quantization`` parameter loads them; ``--linear-kernels`` with each
+kernel of the float linear layers (cpu_engine/packed.py; ``auto``, the
+default, measures and keeps the cheaper, as the engine's ``linear_kernel``).
+A forward of n tokens is timed as it is, not padded to the row count from
+which a kernel's rows agree (the engine pads a plain step to it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from cpu_engine.engine import DTYPES, cpu_has_native_bf16
+from cpu_engine.packed import KERNELS, choose_linear_kernel
 from cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
 
 
@@ -45,11 +50,15 @@ class ForwardTimer:
         return elapsed * 1000
 
 
-def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int = DENSE_ROWS):
-    """The model as the engine loads it: ``dtype`` weights, linear layers quantized by ``scheme``."""
+MAX_NUM_TOKENS = 64  # the target engine's row budget, over which ``auto`` compares the kernels
+
+
+def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int = DENSE_ROWS, kernel: str = "auto"):
+    """The model as the engine loads it: ``dtype`` weights, linear layers quantized
+    by ``scheme``, the float ones on ``kernel``; returns (model, the kernel kept)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     quantize_linear_layers(model, scheme, dense_rows=dense_rows)
-    return model
+    return model, choose_linear_kernel(model, MAX_NUM_TOKENS, kernel)
 
 
 def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
@@ -74,27 +83,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interleave", action="store_true",
                         help="load every variant at once and time them in turn each repeat, so a busy machine "
                              "slows all of them alike (needs the memory of all of them)")
+    parser.add_argument("--linear-kernels", default="auto",
+                        help=f"comma-separated kernels of the float linear layers: {', '.join(KERNELS)} (default auto)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.tokens.split(",")]
     schemes = [check_scheme(s) for s in args.weight_quantization.split(",")]
-    variants = [(d, t, s) for d in args.model_dir for t in args.dtypes.split(",") for s in schemes]
+    kernels = args.linear_kernels.split(",")
+    if unknown := [k for k in kernels if k not in KERNELS]:
+        parser.error(f"--linear-kernels: unknown {', '.join(unknown)} (one of {', '.join(KERNELS)})")
+    variants = [(d, t, s, k) for d in args.model_dir for t in args.dtypes.split(",") for s in schemes for k in kernels]
     print(f"# forward time in ms, {args.threads} threads, {args.context}-token cached context, best of {args.repeats}"
           f"{' (interleaved)' if args.interleave else ''}; native bfloat16: "
           f"{'yes' if cpu_has_native_bf16() else 'no'} (dtype auto picks "
           f"{'bfloat16' if cpu_has_native_bf16() else 'float32'})")
-    print("| model | dtype | weights | " + " | ".join(f"{n} tok" for n in counts)
+    print("| model | dtype | weights | linear kernel | " + " | ".join(f"{n} tok" for n in counts)
           + f" | {counts[-1]} tok / {counts[0]} tok |")
-    print("|---|---|---|" + "---|" * (len(counts) + 1))
+    print("|---|---|---|---|" + "---|" * (len(counts) + 1))
+    kept = {}
 
-    def load(model_dir, dtype, scheme):
-        return ForwardTimer(load_model(model_dir, dtype, scheme, args.dense_rows), args.context)
+    def load(model_dir, dtype, scheme, kernel):
+        model, kept[(model_dir, dtype, scheme, kernel)] = load_model(model_dir, dtype, scheme, args.dense_rows, kernel)
+        return ForwardTimer(model, args.context)
 
     def report(variant, times):
-        model_dir, dtype, scheme = variant
+        model_dir, dtype, scheme, kernel = variant
         name = model_dir.rstrip("/").rsplit("/", 1)[-1]
         cells = " | ".join(f"{t:.1f}" for t in times)
-        print(f"| {name} | {dtype} | {scheme} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
+        kernel = kept[variant] if kernel == kept[variant] else f"{kept[variant]} ({kernel})"
+        print(f"| {name} | {dtype} | {scheme} | {kernel} | {cells} | {times[-1] / times[0]:.2f}x |", flush=True)
 
     if args.interleave:
         timers = [load(*variant) for variant in variants]

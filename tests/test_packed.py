@@ -69,3 +69,17 @@ def test_auto_measures_floors_and_times_of_both_kernels():
     assert chosen in ("default", "onednn-packed")
     with torch.inference_mode():
         assert model(torch.randn(3, 64)).shape == (3, 32)
+
+
+def test_the_measure_tool_times_each_kernel(tmp_path, capsys):
+    from cpu_engine import measure
+    from tests.tiny_models import write_tiny_qwen2
+
+    model_dir = write_tiny_qwen2(tmp_path)
+    measure.main(["--model-dir", str(model_dir), "--dtypes", "float32", "--tokens", "1,2", "--context", "4",
+                  "--repeats", "1", "--linear-kernels", "default,onednn-packed"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {model_dir.name} ")]
+    assert [row.split(" | ")[3] for row in rows] == ["default", "onednn-packed"]
+    with pytest.raises(SystemExit):
+        measure.main(["--model-dir", str(model_dir), "--linear-kernels", "mkl"])
+    assert "--linear-kernels: unknown mkl" in capsys.readouterr().err
