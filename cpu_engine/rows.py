@@ -18,7 +18,9 @@ M >= 2 and every M from 2 up agrees. On an AMD EPYC with AVX2 only, float32,
 MKL's default kernels agree at no floor (a row's rounding changes with its
 place in a 9-row block), and with MKL's strict reproducible mode
 (``MKL_CBWR``, set by cpu_engine/__init__.py) every M from 4 up agrees;
-a 9-row float32 MLP there took half the time of the default kernels'.
+a 9-row float32 MLP there took half the time of the default kernels'. On
+the same machine oneDNN's prepacked float32 kernel agrees from M = 1, and
+the engine measures which of the two to use (cpu_engine/packed.py).
 Where no floor works, every forward is padded to one fixed number of rows
 instead (slower where extra rows cost).
 """
