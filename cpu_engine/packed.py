@@ -37,6 +37,11 @@ VERIFY_ROWS = 8  # rows of a verification, the other forward decoding repeats
 # floor the engine knows is below it); the kernel kept is then measured over
 # the engine's whole row budget (rows.measure_row_shape), which decides.
 CHOICE_ROWS = 17
+# The prepacked kernel replaces the default only if it costs at most this
+# share of it: rounding differs between the kernels, so a choice that timing
+# noise could flip from one start to the next would let a restarted replica
+# (rarely) break a near-tie differently.
+SWITCH_SHARE = 0.9
 _TIMING_REPEATS = 3
 
 
@@ -164,7 +169,8 @@ def choose_linear_kernel(model: nn.Module, budget: int, kernel: str = "auto") ->
     except RuntimeError as error:  # a oneDNN build without this kernel for the dtype
         log.info("linear kernel: default (the prepacked kernel failed here: %s)", error)
         return DEFAULT
-    chosen = PACKED if packed.usable and (not default.usable or packed.seconds < default.seconds) else DEFAULT
+    cheaper = packed.seconds <= SWITCH_SHARE * default.seconds
+    chosen = PACKED if packed.usable and (not default.usable or cheaper) else DEFAULT
     if chosen == PACKED:
         pack_linear_layers(model, made)
     log.info("linear kernel: %s (measured in %.1f s over %d shapes; default: floor %s, %.1f + %.1f ms; "
