@@ -12,9 +12,11 @@ and the prepacked one from 1 row, and the prepacked one was faster at 1, 2,
 projections (``docs/measurements.md``). One kernel serves every float linear
 layer of a model, so the whole model has one floor.
 
-A packed weight is a copy in oneDNN's blocked layout; an untied layer's
-original weight is freed with the layer it replaces, while a tied ``lm_head``
-keeps the embedding's weights in memory beside its packed copy.
+A packed weight is a copy in oneDNN's blocked layout, in anonymous memory.
+Where the checkpoint is memory-mapped (safetensors), the pages of the
+weights it replaces were read once while packing and stay mapped until the
+kernel reclaims them; a tied ``lm_head`` keeps the embedding's weights
+beside its packed copy (``docs/measurements.md``: RSS after loading).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cpu_engine.quantize import replace_submodule
 from cpu_engine.rows import invariant_floor
 
 log = logging.getLogger(__name__)
@@ -131,9 +134,7 @@ def pack_linear_layers(model: nn.Module, packed: dict[int, PackedLinear] | None 
     ones already made, by id of the layer they replace); returns how many."""
     targets = float_linear_layers(model)
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        replacement = (packed or {}).get(id(linear)) or PackedLinear(linear)
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        replace_submodule(model, name, (packed or {}).get(id(linear)) or PackedLinear(linear))
     return len(targets)
 
 

@@ -183,6 +183,12 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int = 64,
     return linear, "none"
 
 
+def replace_submodule(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    """Put ``replacement`` where ``model``'s submodule ``name`` (dotted) is."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+
+
 @torch.no_grad()
 def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64,
                            dense_rows: int = DENSE_ROWS) -> dict[str, str]:
@@ -205,7 +211,6 @@ def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64,
         replacement, description = quantize_linear(linear, scheme, group_size, dense_rows)
         chosen[name] = description
         if replacement is not linear:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+            replace_submodule(model, name, replacement)
     log.info("weight_quantization %s: %s", scheme, dict(Counter(chosen.values())))
     return chosen
