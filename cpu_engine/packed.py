@@ -13,10 +13,14 @@ projections (``docs/measurements.md``). One kernel serves every float linear
 layer of a model, so the whole model has one floor.
 
 A packed weight is a copy in oneDNN's blocked layout, in anonymous memory.
-Where the checkpoint is memory-mapped (safetensors), the pages of the
-weights it replaces were read once while packing and stay mapped until the
-kernel reclaims them; a tied ``lm_head`` keeps the embedding's weights
-beside its packed copy (``docs/measurements.md``: RSS after loading).
+Where the checkpoint is memory-mapped (safetensors), every tensor of the
+model is a view of that mapping, and packing reads all of the replaced
+weights' pages: as long as one tensor (a bias, a norm, the embedding) still
+points into it, those pages stay resident beside their packed copies, twice
+the weights' memory. So a packed model's remaining tensors are copied out of
+the mapping, which is then released (``docs/measurements.md``: RSS after
+loading). A tied ``lm_head`` keeps the embedding's weights beside its
+packed copy.
 """
 
 from __future__ import annotations
@@ -135,7 +139,29 @@ def pack_linear_layers(model: nn.Module, packed: dict[int, PackedLinear] | None 
     targets = float_linear_layers(model)
     for name, linear in targets:
         replace_submodule(model, name, (packed or {}).get(id(linear)) or PackedLinear(linear))
+    _copy_out_of_checkpoint(model)
     return len(targets)
+
+
+def _copy_out_of_checkpoint(model: nn.Module) -> None:
+    """Give every tensor the model still holds memory of its own (tensors that
+    shared one keep sharing it), so none points into a memory-mapped
+    checkpoint and the mapping goes with the replaced layers."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copy = tensor.detach().clone()
+            copies[id(tensor)] = nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copy
+        return copies[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = own(tensor)
+        if isinstance(module, PackedLinear) and module.bias is not None:
+            module.bias = own(module.bias)
 
 
 @torch.inference_mode()

@@ -84,3 +84,33 @@ def test_the_measure_tool_times_each_kernel(tmp_path, capsys):
     with pytest.raises(SystemExit):
         measure.main(["--model-dir", str(model_dir), "--linear-kernels", "mkl"])
     assert "--linear-kernels: unknown mkl" in capsys.readouterr().err
+
+
+def _mapped(path) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_packed_model_lets_go_of_its_memory_mapped_checkpoint(tmp_path):
+    """Packing reads every replaced weight's pages; a bias or norm still pointing
+    into the mapped checkpoint would keep them resident beside the packed copies."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import write_tiny_qwen2
+
+    model_dir = write_tiny_qwen2(tmp_path)
+    checkpoint = (model_dir / "model.safetensors").resolve()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if not _mapped(checkpoint):
+        pytest.skip("this transformers copies the checkpoint instead of mapping it")
+    inputs = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        before = model(inputs).logits
+    assert pack_linear_layers(model) > 0
+    gc.collect()
+    assert not _mapped(checkpoint)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(inputs).logits, before, rtol=1e-5, atol=1e-5)
