@@ -49,7 +49,7 @@ CHOICE_ROWS = 17
 # noise could flip from one start to the next would let a restarted replica
 # (rarely) break a near-tie differently.
 SWITCH_SHARE = 0.9
-_TIMING_REPEATS = 3
+_TIMING_REPEATS = 5
 
 
 def available() -> bool:
@@ -96,31 +96,41 @@ class KernelCost:
         return self.step_seconds + self.verify_seconds
 
 
-def _time(layer: nn.Module, rows: torch.Tensor) -> float:
-    layer(rows)  # warm (a first call may compile or allocate)
-    best = float("inf")
-    for _ in range(_TIMING_REPEATS):
-        started = time.perf_counter()
-        layer(rows)
-        best = min(best, time.perf_counter() - started)
-    return best
+def _floor(layers: dict[tuple, tuple[nn.Module, int]], budget: int, generator: torch.Generator) -> int | None:
+    """The row count from which every layer's rows agree bitwise (None: none does)."""
+    floors = [invariant_floor(layer, layer.in_features, budget, layer_dtype(layer), generator)
+              for layer, _ in layers.values()]
+    return None if any(floor is None for floor in floors) else max(floors, default=1)
 
 
-def _cost(layers: dict[tuple, tuple[nn.Module, int]], budget: int, generator: torch.Generator) -> KernelCost:
-    """``layers``: shape -> (a layer of that shape, how many the model has)."""
-    floors = {}
-    for shape, (layer, _) in layers.items():
-        floors[shape] = invariant_floor(layer, layer.in_features, budget, layer_dtype(layer), generator)
-    if any(floor is None for floor in floors.values()):
-        return KernelCost(None, float("inf"), float("inf"))
-    floor = max(floors.values(), default=1)
-    step = verify = 0.0
-    for shape, (layer, count) in layers.items():
-        dtype = layer_dtype(layer)
-        step += count * _time(layer, torch.randn(floor, layer.in_features, generator=generator).to(dtype))
-        verify += count * _time(layer, torch.randn(max(floor, min(VERIFY_ROWS, budget)), layer.in_features,
-                                                   generator=generator).to(dtype))
-    return KernelCost(floor, step, verify)
+def _costs(kernels: dict[str, dict[tuple, tuple[nn.Module, int]]], budget: int,
+           generator: torch.Generator) -> dict[str, KernelCost]:
+    """``kernels``: name -> (shape -> (a layer of that shape on that kernel, how
+    many the model has)). Each kernel's floor, then each shape's time on every
+    kernel, taken in turn repeat by repeat and the best kept: a burst of other
+    load on the machine slows every kernel alike instead of one, which timing
+    the kernels one after the other let flip the choice."""
+    floors = {name: _floor(layers, budget, generator) for name, layers in kernels.items()}
+    usable = [name for name in kernels if floors[name] is not None]
+    totals = {name: [0.0, 0.0] for name in usable}
+    for shape in next(iter(kernels.values())):
+        runs = []  # (kernel, 0 step / 1 verify, layer, input rows)
+        for name in usable:
+            layer, _ = kernels[name][shape]
+            for which, rows in enumerate((floors[name], max(floors[name], min(VERIFY_ROWS, budget)))):
+                x = torch.randn(rows, layer.in_features, generator=generator).to(layer_dtype(layer))
+                layer(x)  # warm (a first call may compile or allocate)
+                runs.append((name, which, layer, x))
+        best = [float("inf")] * len(runs)
+        for _ in range(_TIMING_REPEATS):
+            for i, (_, _, layer, x) in enumerate(runs):
+                started = time.perf_counter()
+                layer(x)
+                best[i] = min(best[i], time.perf_counter() - started)
+        for (name, which, _, _), seconds in zip(runs, best):
+            totals[name][which] += kernels[name][shape][1] * seconds
+    return {name: KernelCost(floors[name], *totals[name]) if name in totals
+            else KernelCost(None, float("inf"), float("inf")) for name in kernels}
 
 
 def layer_dtype(layer: nn.Module) -> torch.dtype:
@@ -187,15 +197,15 @@ def choose_linear_kernel(model: nn.Module, budget: int, kernel: str = "auto") ->
         shape = (linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype)
         first, count = shapes.get(shape, (linear, 0))
         shapes[shape] = (first, count + 1)
-    rows = min(budget, CHOICE_ROWS)
-    default = _cost(shapes, rows, generator)
     try:
         made = {id(layer): PackedLinear(layer) for layer, _ in shapes.values()}
-        packed = _cost({shape: (made[id(layer)], count) for shape, (layer, count) in shapes.items()},
-                       rows, generator)
+        costs = _costs({DEFAULT: shapes,
+                        PACKED: {shape: (made[id(layer)], count) for shape, (layer, count) in shapes.items()}},
+                       min(budget, CHOICE_ROWS), generator)
     except RuntimeError as error:  # a oneDNN build without this kernel for the dtype
         log.info("linear kernel: default (the prepacked kernel failed here: %s)", error)
         return DEFAULT
+    default, packed = costs[DEFAULT], costs[PACKED]
     cheaper = packed.seconds <= SWITCH_SHARE * default.seconds
     chosen = PACKED if packed.usable and (not default.usable or cheaper) else DEFAULT
     if chosen == PACKED:

@@ -38,7 +38,7 @@ def test_packing_replaces_the_float_linear_layers_only():
 
 @pytest.mark.parametrize("kernel, expected", [("default", "Linear"), ("onednn-packed", "PackedLinear")])
 def test_a_named_kernel_is_used_unmeasured(monkeypatch, kernel, expected):
-    monkeypatch.setattr(packed, "_cost", lambda *args: pytest.fail("measured"))
+    monkeypatch.setattr(packed, "_costs", lambda *args: pytest.fail("measured"))
     model = tiny_model()
     assert choose_linear_kernel(model, 64, kernel) == kernel
     assert type(model[0]).__name__ == expected
@@ -57,8 +57,7 @@ def test_an_unknown_kernel_is_refused_by_name():
     (KernelCost(4, 0.5, 0.6), KernelCost(None, float("inf"), float("inf")), "default"),  # packed never agrees
 ])
 def test_auto_keeps_the_kernel_that_costs_less_where_its_rows_agree(monkeypatch, default, prepacked, expected):
-    costs = iter([default, prepacked])
-    monkeypatch.setattr(packed, "_cost", lambda *args: next(costs))
+    monkeypatch.setattr(packed, "_costs", lambda *args: {"default": default, "onednn-packed": prepacked})
     model = tiny_model()
     assert choose_linear_kernel(model, 64) == expected
     assert isinstance(model[0], PackedLinear) == (expected == "onednn-packed")
@@ -114,3 +113,26 @@ def test_a_packed_model_lets_go_of_its_memory_mapped_checkpoint(tmp_path):
     assert not _mapped(checkpoint)
     with torch.inference_mode():
         torch.testing.assert_close(model(inputs).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_are_timed_in_turn_so_a_burst_of_load_slows_both(monkeypatch):
+    calls = []
+
+    class Recording(nn.Linear):
+        def __init__(self, name):
+            super().__init__(16, 8)
+            self.name = name
+
+        def forward(self, x):
+            calls.append(self.name)
+            return super().forward(x)
+
+    monkeypatch.setattr(packed, "invariant_floor", lambda *args: 1)
+    shape = (16, 8, True, torch.float32)
+    kernels = {"default": {shape: (Recording("default"), 3)}, "onednn-packed": {shape: (Recording("packed"), 3)}}
+    costs = packed._costs(kernels, 8, torch.Generator().manual_seed(0))
+    timed = calls[4:]  # after one warm-up call per kernel and row count
+    assert len(timed) == 4 * packed._TIMING_REPEATS
+    assert all(timed[i:i + 4] == ["default", "default", "packed", "packed"] for i in range(0, len(timed), 4))
+    assert {name: cost.floor for name, cost in costs.items()} == {"default": 1, "onednn-packed": 1}
+    assert all(cost.step_seconds > 0 and cost.verify_seconds > 0 for cost in costs.values())
