@@ -154,9 +154,9 @@ def pack_linear_layers(model: nn.Module, packed: dict[int, PackedLinear] | None 
 
 
 def _copy_out_of_checkpoint(model: nn.Module) -> None:
-    """Give every tensor the model still holds memory of its own (tensors that
-    shared one keep sharing it), so none points into a memory-mapped
-    checkpoint and the mapping goes with the replaced layers."""
+    """Give every tensor the model still holds memory of its own (one held in
+    two places, as a tied weight is, stays one tensor), so none points into a
+    memory-mapped checkpoint and the mapping goes with the replaced layers."""
     copies: dict[int, torch.Tensor] = {}
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
