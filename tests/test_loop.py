@@ -417,6 +417,8 @@ def test_a_draft_catch_up_that_would_not_pay_is_skipped_and_the_request_says_so(
     assert tokens_of(rounds) == tokens_of(plain)
     assert draft.calls == [] and sum(r.drafted for r in rounds) == 0
     assert policy.reason.startswith("draft model not used: catching up on 601 tokens (~6.0 s)")
+    # nothing will draft in this request: its plain tokens come in stretches, as plain decoding's do
+    assert target.streamed == [1, 11]
     # the same request with a cheap prefill, or a completion long enough to earn it back, warms up and speculates
     for cost, tokens in ((0.0001, 12), (0.01, 1000)):
         draft = ToyEngine()
