@@ -201,11 +201,8 @@ async def speculative_decode(
                 if chosen == DRAFT_MODEL:
                     k = 0
             if k <= 0:
-                # The draft model's catch-up priced away for this request (priced once) and
-                # no free drafter: nothing will draft again, so stretch as plain decoding does.
-                drafting_over = draft_pays is False and not free_drafter
                 stretch = min(remaining, plain_stretch,
-                              plain_stretch if drafting_over else policy.plain_rounds_planned(free_drafter))
+                              policy.plain_rounds_planned(free_drafter, draft_model=draft_pays is not False))
                 if warmup is not None and not warmup.done():
                     stretch = min(stretch, WARMUP_STRETCH)
                 plain = _plain_rounds(target, context, stretch, sampling, end_ids, clock, steady=target_seen > 0)

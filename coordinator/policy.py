@@ -242,11 +242,14 @@ class SpeculationPolicy:
     def speculating(self) -> bool:
         return self.mode is Mode.SPECULATING
 
-    def plain_rounds_planned(self, free_drafter: bool = False) -> int:
+    def plain_rounds_planned(self, free_drafter: bool = False, draft_model: bool = True) -> int:
         """Plain steps the policy will ask for before it may decide otherwise
         (the loop asks the target for them in one call). ``free_drafter``: the
-        request may draft with a free drafter, which is offered every round."""
-        if self.max_window <= 0 or (self.mode is Mode.DRAFT_FAILED and not free_drafter):
+        request may draft with a free drafter, which is offered every round;
+        ``draft_model`` False: the draft model is out for the rest of the
+        request (its catch-up on the prompt was priced away)."""
+        draft_model_out = self.mode is Mode.DRAFT_FAILED or not draft_model
+        if self.max_window <= 0 or (draft_model_out and not free_drafter):
             return UNBOUNDED
         if self.held_back:
             return self.settings.probe_interval

@@ -315,3 +315,10 @@ def test_first_round_is_plain_so_the_first_token_costs_what_plain_decoding_costs
     assert policy.window() == 0
     policy.record_plain()
     assert policy.window() == 4
+
+
+def test_a_draft_model_priced_away_plans_plain_decoding_to_the_end_unless_a_free_drafter_is_left():
+    policy = SpeculationPolicy(4, 0.3)
+    assert policy.mode is Mode.SPECULATING and policy.plain_rounds_planned() == 1
+    assert policy.plain_rounds_planned(draft_model=False) > 10**6
+    assert policy.plain_rounds_planned(free_drafter=True, draft_model=False) == 1
