@@ -138,6 +138,34 @@ def test_the_serving_stacks_time_per_round_is_what_the_engines_forwards_do_not_e
     assert "server plain humaneval 150 12.5%" in format_table(summarise([m], []))
 
 
+def test_steal_is_summed_per_measurement_and_the_serving_overhead_is_also_given_net_of_it():
+    engine, plain = measurement(ENGINE, 5.0), measurement("server plain", 4.0)  # 50 and 40 tokens in 10 s
+    engine.add_steal(100.0, 101.0)
+    plain.add_steal(200.0, 202.0)
+    plain.add_steal(None, 300.0)  # a reading that failed adds nothing
+    plain.add_steal(300.0, 300.5)
+    assert plain.steal_seconds == 2.5 and engine.steal_seconds == 1.0
+    assert abs(plain.tokens_per_unstolen_second - 40 / 7.5) < 1e-12
+    summary = summarise([engine, plain], [])
+    assert abs(summary["serving_overhead"]["150"] - 0.25) < 1e-9
+    assert abs(summary["serving_overhead_net_of_steal"]["150"] - ((50 / 9) / (40 / 7.5) - 1)) < 1e-9
+    table = format_table(summary)
+    assert "less the CPU time the hypervisor stole" in table and "+4.2%" in table
+    assert "server plain humaneval 150 x1 25%" in table
+    never = measurement("server plain", 4.0)
+    assert never.steal_seconds is None and never.tokens_per_unstolen_second is None
+    assert "hypervisor" not in format_table(summarise([measurement(ENGINE, 5.0), never], []))
+
+
+def test_host_steal_is_read_from_proc_stat():
+    from tools.compare import host_steal_seconds
+
+    first = host_steal_seconds()
+    if first is None:
+        pytest.skip("no /proc/stat steal field here")
+    assert 0 <= first <= host_steal_seconds()
+
+
 @pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_the_peers_use_the_dtype_the_server_target_is_configured_with(monkeypatch, native_bf16, expected):
     """The server's target is configured ``auto``; run_peers loads both peers and the

@@ -73,6 +73,22 @@ class Measurement:
     forward_seconds: dict[str, float] = field(default_factory=dict)
     metered_seconds: float = 0.0
     rounds: int = 0  # of the metered requests: speculative rounds plus plain steps
+    # CPU time the hypervisor gave other guests while this ran, summed over the vCPUs (None: not
+    # known here). A decode forward's threads meet at a barrier in every parallel region, so a
+    # stolen vCPU stalls the whole forward: the wall clock grows by about the stolen seconds.
+    steal_seconds: float | None = None
+
+    def add_steal(self, before: float | None, after: float | None) -> None:
+        if before is not None and after is not None:
+            self.steal_seconds = (self.steal_seconds or 0.0) + after - before
+
+    @property
+    def tokens_per_unstolen_second(self) -> float | None:
+        """Tokens/s over the wall clock less the stolen CPU time: comparable between runs that met
+        different neighbours on a shared host (an estimate, exact while steals do not overlap)."""
+        if self.steal_seconds is None or self.seconds <= self.steal_seconds:
+            return None
+        return self.completion_tokens / (self.seconds - self.steal_seconds)
 
     @property
     def overhead_per_round(self) -> float | None:
@@ -93,6 +109,17 @@ class Measurement:
     @property
     def p50_first_text(self) -> float | None:
         return statistics.median(self.first_text) if self.first_text else None
+
+
+def host_steal_seconds() -> float | None:
+    """The host's cumulative steal time over all vCPUs (``/proc/stat``), or None off Linux or
+    outside a VM that reports it."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # -- prompts -------------------------------------------------------------------
@@ -132,11 +159,12 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
         for prompt in group:
             ids = tokenizer(prompt.text, return_tensors="pt").input_ids
             for measurement, extra in variants:
-                started = time.perf_counter()
+                stolen, started = host_steal_seconds(), time.perf_counter()
                 with torch.inference_mode():
                     out = target.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                           do_sample=False, **extra)
                 seconds = time.perf_counter() - started
+                measurement.add_steal(stolen, host_steal_seconds())
                 new = out[0, ids.shape[1]:]
                 measurement.requests += 1
                 measurement.completion_tokens += int(new.numel())
@@ -151,9 +179,10 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
         measurement = Measurement(ENGINE, length, 1)
         for prompt in group:
             ids = np.asarray(tokenizer(prompt.text).input_ids)
-            started = time.perf_counter()
+            stolen, started = host_steal_seconds(), time.perf_counter()
             result = engine.run(EngineRequest(ids, max_tokens))
             measurement.seconds += time.perf_counter() - started
+            measurement.add_steal(stolen, host_steal_seconds())
             measurement.requests += 1
             measurement.completion_tokens += len(result.tokens)
         results.append(measurement)
@@ -206,13 +235,14 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
         except BaseException as error:  # reported after the run
             errors.append(error)
 
-    started = time.perf_counter()
+    stolen, started = host_steal_seconds(), time.perf_counter()
     workers = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
     measurement.seconds = time.perf_counter() - started
+    measurement.add_steal(stolen, host_steal_seconds())
     if errors:
         raise BenchError(f"server {mode} at {concurrency} streams: {errors[0]}")
     return measurement
@@ -238,10 +268,11 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
                 for mode in turned:
                     text = f"# {mode} {length} 1.{step}\n{prompt.text}"
                     before = _forward_time(metrics_url)
-                    started = time.perf_counter()
+                    stolen, started = host_steal_seconds(), time.perf_counter()
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
                     seconds = time.perf_counter() - started
                     measurements[mode].seconds += seconds
+                    measurements[mode].add_steal(stolen, host_steal_seconds())
                     _record(measurements[mode], prompt, completion)
                     _meter(measurements[mode], before, _forward_time(metrics_url), seconds, completion)
     except Exception as error:  # noqa: BLE001 - reported as the run's error
@@ -318,6 +349,7 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
                                            else None),
             "acceptance": m.accepted / m.drafted if m.drafted else None,
             "overhead_per_round_in_target_forwards": m.overhead_per_round,
+            "steal_seconds": m.steal_seconds,
         }
         rows.append(row)
     for m in identity[1:]:
@@ -325,12 +357,15 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
             if text != identity[0].texts.get(prompt_id):
                 mismatches.append({"system": m.system, "prompt": prompt_id, "concurrency": m.concurrency})
     engine = {m.prompt_tokens: m for m in measurements if m.system == ENGINE and m.prompt_set == HUMANEVAL}
-    overhead = {}
+    overhead, net = {}, {}
     for length, m in engine.items():
         plain = find("server plain", length, 1)
         if plain is not None and plain.tokens_per_second and m.tokens_per_second:
             overhead[str(length)] = m.tokens_per_second / plain.tokens_per_second - 1
-    return {"rows": rows, "mismatches": mismatches, "serving_overhead": overhead}
+        if plain is not None and plain.tokens_per_unstolen_second and m.tokens_per_unstolen_second:
+            net[str(length)] = m.tokens_per_unstolen_second / plain.tokens_per_unstolen_second - 1
+    return {"rows": rows, "mismatches": mismatches, "serving_overhead": overhead,
+            "serving_overhead_net_of_steal": net}
 
 
 def _progress_line(m: Measurement) -> str:
@@ -356,6 +391,15 @@ def format_table(summary: dict) -> str:
             f"{_fmt(r['acceptance'])} |")
     notes = ["serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
              + ", ".join(f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead"].items())]
+    if summary.get("serving_overhead_net_of_steal"):
+        notes.append("the same over the wall clock less the CPU time the hypervisor stole (on a shared host the "
+                     "runs meet different neighbours): " + ", ".join(
+                         f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead_net_of_steal"].items()))
+    stolen = [r for r in summary["rows"] if r.get("steal_seconds") and r["seconds"]]
+    if stolen:
+        notes.append("hypervisor steal (stolen CPU seconds, summed over the vCPUs, per second of the run): " + ", ".join(
+            f"{r['system']} {r['prompt_set']} {r['prompt_tokens']} x{r['concurrency']} "
+            f"{r['steal_seconds'] / r['seconds']:.0%}" for r in stolen))
     metered = [r for r in summary["rows"] if r.get("overhead_per_round_in_target_forwards") is not None]
     if metered:
         notes.append("serving stack's time per round (request wall time outside the engines' forwards, per "
