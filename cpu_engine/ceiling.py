@@ -36,9 +36,13 @@ as far as those uncounted costs are small or scale like the forwards.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.costmodel import expected_tokens_per_round
 
@@ -111,6 +115,39 @@ def report(streams: Sequence[int], alphas: Sequence[float], max_window: int, tar
     return lines
 
 
+def decode_weight_bytes(model_dir: str, itemsize: int) -> int:
+    """Bytes of weights one decode forward reads at ``itemsize`` bytes per weight: every
+    tensor of the checkpoint but the input embedding (a forward reads one row of it per
+    token), unless the output layer shares it (then the forward reads all of it)."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings"))
+    weights = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as checkpoint:
+            for name in checkpoint.keys():
+                if name.endswith("embed_tokens.weight") and not tied:
+                    continue
+                weights += math.prod(checkpoint.get_slice(name).get_shape())
+    return weights * itemsize
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a sum over a tensor far larger than the caches reads here, with
+    torch's threads (median of ``repeats``): what bounds a memory-bound decode forward."""
+    import torch
+
+    values = torch.ones(int(gib * 2**30) // 4)
+    values.sum()  # pages touched and threads started before timing
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        values.sum()
+        seconds.append(time.perf_counter() - started)
+    return values.numel() * values.element_size() / statistics.median(seconds)
+
+
 def measured_forwards(model_dir: str, dtype: str, scheme: str, context: int, repeats: int, capacity: int,
                       rows_needed: Callable[[Forwards], set[int]]) -> tuple[Forwards, dict[int, float], str]:
     """Load a model as the engine does, find its row shape here, and time the
@@ -143,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="the target's Hugging Face model dir")
     parser.add_argument("--draft", required=True, help="the draft's Hugging Face model dir")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--target-dtype", default="auto",
+                        help="the target's dtype (default auto, as the cpu profile: bfloat16 where the CPU has it "
+                        "natively, else float32)")
+    parser.add_argument("--draft-dtype", default="bfloat16", help="the draft's dtype (default bfloat16, as the cpu "
+                        "profile)")
     parser.add_argument("--target-weights", default="none", help="weight_quantization of the target (default none)")
     parser.add_argument("--draft-weights", default="int4", help="weight_quantization of the draft (default int4)")
     parser.add_argument("--streams", default="1,2,4,8")
@@ -159,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.fixed_window <= args.max_window:
         parser.error(f"--fixed-window must be between 1 and --max-window ({args.max_window})")
+    from cpu_engine.engine import resolve_dtype
+
+    try:
+        target_dtype, draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     streams = [int(s) for s in args.streams.split(",")]
     alphas = [float(a) for a in args.acceptance.split(",")]
@@ -171,15 +218,25 @@ def main(argv: list[str] | None = None) -> None:
 
     free = Forwards(lambda n: 1.0, args.capacity)
     target, target_ms, target_shape = measured_forwards(
-        args.target, args.dtype, args.target_weights, args.context, args.repeats, args.capacity,
+        args.target, target_dtype, args.target_weights, args.context, args.repeats, args.capacity,
         lambda shaped: rows_needed(shaped, free)[0])
     draft, draft_ms, draft_shape = measured_forwards(
-        args.draft, args.dtype, args.draft_weights, args.context, args.repeats, args.capacity,
+        args.draft, draft_dtype, args.draft_weights, args.context, args.repeats, args.capacity,
         lambda shaped: rows_needed(target, shaped)[1])
     print(f"# forward ms by rows ({args.threads} threads, {args.context}-token cache, median of {args.repeats}); "
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens each")
-    print(f"# target ({target_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in target_ms.items()))
-    print(f"# draft ({draft_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in draft_ms.items()))
+    print(f"# target {target_dtype}, {args.target_weights} ({target_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in target_ms.items()))
+    print(f"# draft {draft_dtype}, {args.draft_weights} ({draft_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in draft_ms.items()))
+    import torch
+
+    from cpu_engine.engine import DTYPES
+
+    bandwidth = read_bandwidth(repeats=args.repeats)
+    weights = decode_weight_bytes(args.target, torch.empty((), dtype=DTYPES[target_dtype]).element_size())
+    floor_ms = weights / bandwidth * 1000
+    print(f"# memory: a sum over 1 GiB reads {bandwidth / 1e9:.1f} GB/s here; the target's weights a decode forward "
+          f"reads are {weights / 1e9:.2f} GB in {target_dtype}, so no one-row forward beats {floor_ms:.0f} ms "
+          f"(measured {target.ms(1):.0f} ms; plain decoding at most {1000 / floor_ms:.2f} tok/s per stream)")
     for line in report(streams, alphas, args.max_window, target, draft, args.prompt_tokens, args.max_tokens,
                        args.fixed_window):
         print(line)

@@ -72,3 +72,20 @@ def test_the_recorder_notes_every_forward_size_asked_for():
     seen = set()
     ceilings(2, 0.8, 2, recorder(flat(200, capacity=8), seen), None, prompt_tokens=5, max_tokens=4)
     assert seen == {2, 8, 4, 6}  # decode 2 rows; prefill 10 = 8 + 2; verify 4 and 6 rows
+
+
+def test_a_decode_forward_reads_every_weight_but_an_untied_input_embedding(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from cpu_engine.ceiling import decode_weight_bytes
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(100, 8), "model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8),
+               "lm_head.weight": torch.zeros(100, 8)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    assert decode_weight_bytes(str(tmp_path), 4) == (16 * 8 + 100 * 8) * 4
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true}')  # the output layer reads the embedding
+    assert decode_weight_bytes(str(tmp_path), 2) == (100 * 8 + 16 * 8) * 2
