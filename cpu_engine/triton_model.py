@@ -48,8 +48,8 @@ class TritonPythonModel:
                         sorted(self.faults.rules))
         model_dir = expand_env(params["model_dir"], os.environ, "model_dir")
         reuse = params.get("enable_kv_cache_reuse", "true").lower() == "true"
-        self.engine = CausalLMEngine(
-            model_dir,
+        settings = dict(
+            model_dir=model_dir,
             dtype=params.get("dtype", "float32"),
             num_threads=int(params.get("num_threads", "0")),
             max_cached_sequences=int(params.get("max_cached_sequences", "8")) if reuse else 0,
@@ -61,17 +61,21 @@ class TritonPythonModel:
             linear_kernel=params.get("linear_kernel", "auto"),
         )
         self.name = args["model_name"]
-        log.info("%s: %s; linear kernel %s", self.name, self.engine.row_shape.describe(),
-                 self.engine.linear_kernel)
-        self._gauges = _engine_gauges(self.name)
-        self._report()
         self._senders: dict[int, tuple[object, bool]] = {}  # call id -> (response sender, streaming)
         self._streamed: dict[int, int] = {}  # call id -> tokens already streamed
         self._wake = threading.Condition()
         self._incoming: list[tuple[object, EngineRequest, bool]] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run_engine, name=f"{self.name}-engine", daemon=True)
+        self._gauges = _engine_gauges(self.name)
+        # The engine is built on the thread that runs its forwards (_engine_thread).
+        built = EngineBuilt()
+        self._thread = threading.Thread(target=self._engine_thread, args=(settings, built),
+                                        name=f"{self.name}-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        log.info("%s: %s; linear kernel %s", self.name, self.engine.row_shape.describe(),
+                 self.engine.linear_kernel)
+        self._report()
 
     def execute(self, requests):
         for request in requests:
@@ -101,6 +105,23 @@ class TritonPythonModel:
         with self._wake:
             self._incoming.append((sender, engine_request, streaming))
             self._wake.notify()
+
+    def _engine_thread(self, settings: dict, built: "EngineBuilt") -> None:
+        """Build the engine, then run it, on this one thread.
+
+        OpenMP keeps a team of worker threads per thread that runs parallel
+        work. Loading, packing and timing the model on the stub's main thread
+        would leave a second, idle team in the process; libgomp then counts
+        more threads than cores and cuts every wait's spinning short, so the
+        forwards' threads sleep and wake at each parallel region whatever
+        GOMP_SPINCOUNT says (measured in docs/measurements.md)."""
+        try:
+            self.engine = CausalLMEngine(**settings)
+        except BaseException as error:  # initialize raises it
+            built.fail(error)
+            return
+        built.done()
+        self._run_engine()
 
     def _run_engine(self) -> None:
         """The engine thread: admit queued calls, run one forward, answer finished calls."""
@@ -185,6 +206,26 @@ class TritonPythonModel:
             self._wake.notify()
         self._thread.join(timeout=10)
         self.engine.pool.clear()
+
+
+class EngineBuilt:
+    """The engine thread's word to initialize: built, or the error that stopped it."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> None:
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
 
 
 def join_wait(forward_seconds: float) -> float:

@@ -1,0 +1,79 @@
+"""The CPU engine's Triton adapter builds its engine on the thread that runs the
+forwards: libgomp cuts spinning short in a process with more OpenMP threads
+than cores, and a team left behind by loading on the stub's main thread would
+count (cpu_engine/triton_model.py, _engine_thread)."""
+
+import importlib
+import json
+import sys
+import threading
+import types
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+class TritonModelException(Exception):
+    pass
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    backend = types.ModuleType("triton_python_backend_utils")
+    backend.TritonModelException = TritonModelException  # no MetricFamily: the adapter serves without metrics
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
+    monkeypatch.delitem(sys.modules, "cpu_engine.triton_model", raising=False)
+    module = importlib.import_module("cpu_engine.triton_model")
+    yield module
+    sys.modules.pop("cpu_engine.triton_model", None)
+
+
+class FakeEngine:
+    threads: dict[str, str] = {}
+    fail_with: BaseException | None = None
+
+    def __init__(self, **settings):
+        FakeEngine.threads["built"] = threading.current_thread().name
+        if FakeEngine.fail_with is not None:
+            raise FakeEngine.fail_with
+        self.settings = settings
+        self.row_shape = types.SimpleNamespace(describe=lambda: "rows: floor 1")
+        self.linear_kernel = "default"
+        self.pool = types.SimpleNamespace(clear=lambda: None)
+
+    def bind_thread(self):
+        FakeEngine.threads["forwards"] = threading.current_thread().name
+
+    def pending(self):
+        return 0
+
+
+ARGS = {"model_name": "target",
+        "model_config": json.dumps({"parameters": {"model_dir": {"string_value": "/models/target"},
+                                                   "num_threads": {"string_value": "2"}}})}
+
+
+def test_the_engine_is_built_on_the_thread_that_runs_its_forwards(adapter, monkeypatch):
+    monkeypatch.setattr(adapter, "CausalLMEngine", FakeEngine)
+    monkeypatch.setattr(FakeEngine, "threads", {})
+    model = adapter.TritonPythonModel()
+    model.initialize(ARGS)
+    try:
+        assert model.engine.settings["model_dir"] == "/models/target" and model.engine.settings["num_threads"] == 2
+        for _ in range(200):  # the loop binds its threads right after the build
+            if "forwards" in FakeEngine.threads:
+                break
+            threading.Event().wait(0.01)
+        assert FakeEngine.threads["built"] == FakeEngine.threads["forwards"] == "target-engine"
+        assert FakeEngine.threads["built"] != threading.current_thread().name
+    finally:
+        model.finalize()
+    assert not model._thread.is_alive()
+
+
+def test_an_engine_that_fails_to_build_fails_initialize_with_its_error(adapter, monkeypatch):
+    monkeypatch.setattr(adapter, "CausalLMEngine", FakeEngine)
+    monkeypatch.setattr(FakeEngine, "fail_with", ValueError("max_num_tokens must be at least 8, got 4"))
+    with pytest.raises(ValueError, match="max_num_tokens must be at least 8"):
+        adapter.TritonPythonModel().initialize(ARGS)
