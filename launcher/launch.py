@@ -47,6 +47,11 @@ ENGINE_ENV_DEFAULTS = {
     # the other engine: 4 concurrent speculative streams got 0.24x the total
     # tokens/s of one stream; sleeping threads: 0.89x ("Load testing").
     "OMP_WAIT_POLICY": "PASSIVE",
+    # ... except the target's between the parallel regions of one forward: a
+    # short spin (libgomp's GOMP_SPINCOUNT, set in the target's stub only,
+    # cpu_engine/threads.py) keeps its workers on the cores. The draft still
+    # sleeps at once, so it never spins on a core the target's step needs.
+    "SPECDEC_TARGET_GOMP_SPINCOUNT": "100000",
 }
 _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
 
