@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 
@@ -67,12 +68,15 @@ class TritonPythonModel:
         self._incoming: list[tuple[object, EngineRequest, bool]] = []
         self._stopping = False
         self._gauges = _engine_gauges(self.name)
-        # The engine is built on the thread that runs its forwards (_engine_thread).
-        built = EngineBuilt()
+        # The engine is built on the thread that runs its forwards (_engine_thread),
+        # which answers with None or the error that stopped it.
+        built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._engine_thread, args=(settings, built),
                                         name=f"{self.name}-engine", daemon=True)
         self._thread.start()
-        built.wait()
+        error = built.get()
+        if error is not None:
+            raise error
         log.info("%s: %s; linear kernel %s", self.name, self.engine.row_shape.describe(),
                  self.engine.linear_kernel)
         self._report()
@@ -106,7 +110,7 @@ class TritonPythonModel:
             self._incoming.append((sender, engine_request, streaming))
             self._wake.notify()
 
-    def _engine_thread(self, settings: dict, built: "EngineBuilt") -> None:
+    def _engine_thread(self, settings: dict, built: queue.SimpleQueue) -> None:
         """Build the engine, then run it, on this one thread.
 
         OpenMP keeps a team of worker threads per thread that runs parallel
@@ -118,9 +122,9 @@ class TritonPythonModel:
         try:
             self.engine = CausalLMEngine(**settings)
         except BaseException as error:  # initialize raises it
-            built.fail(error)
+            built.put(error)
             return
-        built.done()
+        built.put(None)
         self._run_engine()
 
     def _run_engine(self) -> None:
@@ -206,26 +210,6 @@ class TritonPythonModel:
             self._wake.notify()
         self._thread.join(timeout=10)
         self.engine.pool.clear()
-
-
-class EngineBuilt:
-    """The engine thread's word to initialize: built, or the error that stopped it."""
-
-    def __init__(self):
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-
-    def done(self) -> None:
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    def wait(self) -> None:
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
 
 
 def join_wait(forward_seconds: float) -> float:
