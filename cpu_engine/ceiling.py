@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.fixed_window <= args.max_window:
         parser.error(f"--fixed-window must be between 1 and --max-window ({args.max_window})")
-    from cpu_engine.engine import resolve_dtype
+    from cpu_engine.engine import DTYPES, resolve_dtype
 
     try:
         target_dtype, draft_dtype = resolve_dtype(args.target_dtype), resolve_dtype(args.draft_dtype)
@@ -227,12 +227,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens each")
     print(f"# target {target_dtype}, {args.target_weights} ({target_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in target_ms.items()))
     print(f"# draft {draft_dtype}, {args.draft_weights} ({draft_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in draft_ms.items()))
-    import torch
-
-    from cpu_engine.engine import DTYPES
-
     bandwidth = read_bandwidth(repeats=args.repeats)
-    weights = decode_weight_bytes(args.target, torch.empty((), dtype=DTYPES[target_dtype]).element_size())
+    weights = decode_weight_bytes(args.target, DTYPES[target_dtype].itemsize)
     floor_ms = weights / bandwidth * 1000
     print(f"# memory: a sum over 1 GiB reads {bandwidth / 1e9:.1f} GB/s here; the target's weights a decode forward "
           f"reads are {weights / 1e9:.2f} GB in {target_dtype}, so no one-row forward beats {floor_ms:.0f} ms "
