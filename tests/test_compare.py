@@ -152,6 +152,9 @@ def test_steal_is_summed_per_measurement_and_the_serving_overhead_is_also_given_
     table = format_table(summary)
     assert "less the CPU time the hypervisor stole" in table and "+4.2%" in table
     assert "server plain humaneval 150 x1 25%" in table
+    calm = measurement("server fixed", 4.0)
+    calm.add_steal(7.0, 7.0)  # measured, and nothing stolen: listed as 0 %, not left out
+    assert "server fixed humaneval 150 x1 0%" in format_table(summarise([engine, plain, calm], []))
     never = measurement("server plain", 4.0)
     assert never.steal_seconds is None and never.tokens_per_unstolen_second is None
     assert "hypervisor" not in format_table(summarise([measurement(ENGINE, 5.0), never], []))

@@ -395,7 +395,7 @@ def format_table(summary: dict) -> str:
         notes.append("the same over the wall clock less the CPU time the hypervisor stole (on a shared host the "
                      "runs meet different neighbours): " + ", ".join(
                          f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead_net_of_steal"].items()))
-    stolen = [r for r in summary["rows"] if r.get("steal_seconds") and r["seconds"]]
+    stolen = [r for r in summary["rows"] if r.get("steal_seconds") is not None and r["seconds"]]
     if stolen:
         notes.append("hypervisor steal (stolen CPU seconds, summed over the vCPUs, per second of the run): " + ", ".join(
             f"{r['system']} {r['prompt_set']} {r['prompt_tokens']} x{r['concurrency']} "
