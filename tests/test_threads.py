@@ -37,8 +37,9 @@ def test_the_shim_applies_the_spin_count_before_torch_can_load(model):
              ast.unparse(node.value.func) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) else None
              for node in shim.body]
     assert order.index("apply_spin_count") < order.index("cpu_engine.triton_model")
-    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse((ROOT / "cpu_engine" / "threads.py").read_text()))
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse((ROOT / "cpu_engine" / "threads.py").read_text()))
+    threads = ast.parse((ROOT / "cpu_engine" / "threads.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(threads) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(threads)
                  if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & {"torch", "numpy", "transformers"}
