@@ -25,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 from coordinator.config import expand_env
 from cpu_engine.engine import DEFAULT_MAX_DRAFT_LEN, KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from cpu_engine.faults import FaultConfigError, FaultInjector
+from cpu_engine.turns import ForwardTurns
 from coordinator.penalties import Penalties, read_word_list
 from coordinator.sampling import SamplingParams
 
@@ -47,6 +48,10 @@ class TritonPythonModel:
         if self.faults:
             log.warning("%s: TEST-ONLY FAULT INJECTION ENABLED for seeds %s", args["model_name"],
                         sorted(self.faults.rules))
+        try:
+            self._turns = ForwardTurns.from_environment(os.environ)
+        except ValueError as error:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {error}") from None
         model_dir = expand_env(params["model_dir"], os.environ, "model_dir")
         reuse = params.get("enable_kv_cache_reuse", "true").lower() == "true"
         settings = dict(
@@ -146,21 +151,23 @@ class TritonPythonModel:
                     self._wake.wait(left)
                 if self._stopping:
                     return
-                incoming, self._incoming = self._incoming, []
-            for sender, engine_request, streaming in incoming:
+            with self._turns:  # calls that come while the other engine has the cores join this forward
+                with self._wake:
+                    incoming, self._incoming = self._incoming, []
+                for sender, engine_request, streaming in incoming:
+                    try:
+                        call = self.engine.submit(engine_request, on_tokens=self._stream if streaming else None)
+                    except EngineRequestError as error:
+                        _send_error(sender, f"{self.name}: {error}")
+                        continue
+                    self._senders[id(call)] = (sender, streaming)
+                started, forwards = time.monotonic(), self.engine.forwards
                 try:
-                    call = self.engine.submit(engine_request, on_tokens=self._stream if streaming else None)
-                except EngineRequestError as error:
-                    _send_error(sender, f"{self.name}: {error}")
-                    continue
-                self._senders[id(call)] = (sender, streaming)
-            started, forwards = time.monotonic(), self.engine.forwards
-            try:
-                done = self.engine.step()
-            except Exception as error:  # outside a forward: fail what is in flight, keep the thread alive
-                log.exception("%s: engine step failed", self.name)
-                done = self.engine.fail_all(error)
-            forward_seconds = time.monotonic() - started
+                    done = self.engine.step()
+                except Exception as error:  # outside a forward: fail what is in flight, keep the thread alive
+                    log.exception("%s: engine step failed", self.name)
+                    done = self.engine.fail_all(error)
+                forward_seconds = time.monotonic() - started
             for call in done:
                 self._answer(call)
             returning = len(done)
@@ -210,6 +217,8 @@ class TritonPythonModel:
             self._wake.notify()
         self._thread.join(timeout=10)
         self.engine.pool.clear()
+        if not self._thread.is_alive():
+            self._turns.close()
 
 
 def join_wait(forward_seconds: float) -> float:

@@ -13,11 +13,13 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordinator
+from cpu_engine.turns import TURNS_VARIABLE
 from launcher import assets, engine_watchdog, openai_frontend, tritonserver
 from selfheal import exposition, readiness
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
@@ -157,9 +159,19 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
     )
     for name, value in ENGINE_ENV_DEFAULTS.items():  # a value already in the environment wins
         env.setdefault(name, value)
+    env.setdefault(TURNS_VARIABLE, str(forward_turns_path(options)))
     env.update(options.extra_env)
     env.pop(ADMIN_KEY_VAR, None)  # the key goes to tritonserver's flags only, never to the models
     return env
+
+
+def forward_turns_path(options: ServerOptions) -> Path:
+    """Where the cpu engines' forwards take turns on the cores (cpu_engine/turns.py).
+    One per server: two servers on one machine (different ports) do not wait
+    for each other. In the machine's own temporary directory, not the model
+    cache, which may be shared between machines. An empty SPECDEC_FORWARD_TURNS
+    turns the turns off."""
+    return Path(tempfile.gettempdir()) / f"specdec-{os.getuid()}" / f"forward-turns-{options.grpc_port}"
 
 
 def start(options: ServerOptions, pair: PreparedPair, **popen_kwargs) -> subprocess.Popen:

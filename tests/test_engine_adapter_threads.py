@@ -1,15 +1,20 @@
 """The CPU engine's Triton adapter builds its engine on the thread that runs the
 forwards: libgomp cuts spinning short in a process with more OpenMP threads
 than cores, and a team left behind by loading on the stub's main thread would
-count (cpu_engine/triton_model.py, _engine_thread)."""
+count (cpu_engine/triton_model.py, _engine_thread); and it runs each forward on
+its turn of the cores (cpu_engine/turns.py)."""
 
+import fcntl
 import importlib
 import json
+import os
 import sys
 import threading
 import types
 
 import pytest
+
+from cpu_engine.turns import TURNS_VARIABLE
 
 pytest.importorskip("torch")
 
@@ -77,3 +82,46 @@ def test_an_engine_that_fails_to_build_fails_initialize_with_its_error(adapter, 
     monkeypatch.setattr(FakeEngine, "fail_with", ValueError("max_num_tokens must be at least 8, got 4"))
     with pytest.raises(ValueError, match="max_num_tokens must be at least 8"):
         adapter.TritonPythonModel().initialize(ARGS)
+
+
+class SteppingEngine(FakeEngine):
+    """Runs one forward per call and records whether it had the cores."""
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self.forwards, self.submitted, self.had_the_cores = 0, 0, []
+        self.stepped = threading.Event()
+
+    def submit(self, request, on_tokens=None):
+        self.submitted += 1
+        return object()
+
+    def pending(self):
+        return self.submitted - self.forwards
+
+    def step(self):
+        other = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second open file: conflicts with the adapter's
+            fcntl.flock(other, fcntl.LOCK_UN)
+            self.had_the_cores.append(False)
+        except BlockingIOError:
+            self.had_the_cores.append(True)
+        finally:
+            os.close(other)
+        self.forwards += 1
+        self.stepped.set()
+        return []
+
+
+def test_each_forward_runs_holding_the_cores_lock_shared_with_the_other_engine(adapter, monkeypatch, tmp_path):
+    monkeypatch.setenv(TURNS_VARIABLE, str(tmp_path / "forward-turns"))
+    monkeypatch.setattr(adapter, "CausalLMEngine", SteppingEngine)
+    model = adapter.TritonPythonModel()
+    model.initialize(ARGS)
+    try:
+        model._queue(sender=None, engine_request="a call", streaming=False)
+        assert model.engine.stepped.wait(10)
+        assert model.engine.had_the_cores == [True]
+    finally:
+        model.finalize()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
+from cpu_engine.turns import TURNS_VARIABLE
 from launcher import launch, tritonserver
 
 
@@ -28,3 +31,13 @@ def test_the_models_are_pointed_at_the_prepared_pair(tmp_path):
     env = environment(tmp_path)
     assert env["SPECDEC_TARGET_MODEL_DIR"] == env["SPECDEC_DRAFT_MODEL_DIR"] == str(tmp_path)
     assert str(launch.PROJECT_ROOT) in env["SPECDEC_PYTHONPATH"].split(":")
+
+
+def test_each_server_has_its_own_forward_turns_unless_the_environment_says(tmp_path, monkeypatch):
+    monkeypatch.delenv(TURNS_VARIABLE, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    one = environment(tmp_path, grpc_port=8001)[TURNS_VARIABLE]
+    other = environment(tmp_path, grpc_port=9001)[TURNS_VARIABLE]
+    assert one.startswith(str(tmp_path)) and one != other
+    monkeypatch.setenv(TURNS_VARIABLE, "")  # off
+    assert environment(tmp_path)[TURNS_VARIABLE] == ""
