@@ -383,6 +383,26 @@ def cancel_once(server, prompt):
     return seen, waited, rounds, emitted, after
 
 
+def engines_settled(server, quiet=1.0, timeout=30.0) -> str:
+    """The metrics once neither engine has run a forward for ``quiet`` seconds
+    and neither holds a call: a queued call would have had the cores by then."""
+    def state(text):
+        return [(metric(text, "specdec_engine_forwards_total", model=m),
+                 metric(text, "specdec_engine_running_calls", model=m)) for m in ("target", "draft")]
+    started = time.monotonic()
+    text = metrics_text(server)
+    since, last = time.monotonic(), state(text)
+    while time.monotonic() - started < timeout:
+        time.sleep(0.2)
+        text = metrics_text(server)
+        now = state(text)
+        if now != last or any(running for _, running in now):
+            since, last = time.monotonic(), now
+        elif time.monotonic() - since >= quiet:
+            return text
+    raise AssertionError(f"the engines were still running forwards {timeout:g} s after the cancellation")
+
+
 def test_a_cancelled_stream_stops_within_one_round_and_engines_keep_nothing_more(triton_server):
     seen, waited, rounds, emitted, after = cancel_once(triton_server, cancel_prompt(0))
     # The client saw `seen` chunks (one per round that produced text); the
@@ -391,7 +411,10 @@ def test_a_cancelled_stream_stops_within_one_round_and_engines_keep_nothing_more
     # only produced part of a character).
     assert rounds <= seen + 2, (seen, rounds)
     assert emitted < 60 and waited < 15, (emitted, waited)
-    # No engine works on the sequence any more: the pools do not change.
+    # No engine works on the sequence any more: once the calls sent before the
+    # cancellation have finished (a draft call may wait its turn on the cores
+    # behind a target forward), the pools do not change.
+    after = engines_settled(triton_server)
     time.sleep(2)
     later = metrics_text(triton_server)
     for model in ("target", "draft"):
