@@ -568,11 +568,20 @@ def main(argv: list[str] | None = None) -> int:
                                shortest, tag=f"{mode} {shortest} {concurrency}")
                 measurements.append(m)
                 progress(_progress_line(m))
-        # Identity: the same prompts in every mode, in a crowd of the largest concurrency.
+        # Identity: the same prompts in every mode, in a crowd of the largest concurrency,
+        # and the first prompt of every longer length at one stream.
         crowd = max(args.concurrency)
-        identity = [run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
-                               shortest) for mode in modes]
-        progress(f"identity pass: {len(modes)} modes, {crowd} streams")
+        identity = []
+        for mode in modes:
+            run = run_server(args.url, mode, prompts[shortest] + copy, crowd, args.max_tokens, args.fixed_window,
+                             shortest)
+            for length in sorted(prompts):
+                if length != shortest and mode in server_modes:
+                    longer = run_server(args.url, mode, prompts[length][:1], 1, args.max_tokens, args.fixed_window,
+                                        length)
+                    run.texts.update(longer.texts)
+            identity.append(run)
+        progress(f"identity pass: {len(modes)} modes, {crowd} streams; one prompt of each longer length alone")
     except (BenchError, PromptError) as error:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR
