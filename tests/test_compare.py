@@ -13,6 +13,7 @@ from tools.compare import (
     format_table,
     parse_modes,
     summarise,
+    wait_until_idle,
 )
 from tools.prompts import copy_prompts, held_out_prompts
 
@@ -202,3 +203,26 @@ def test_the_peers_use_the_dtype_the_server_target_is_configured_with(monkeypatc
     assert compare.run_peers(Path("target"), Path("draft"), {}, 8, 1, lambda message: None) == []
     torch_dtype = engine_module.DTYPES[expected]
     assert loaded == [("transformers", torch_dtype), ("transformers", torch_dtype), ("engine", expected)]
+
+
+def test_a_one_stream_request_is_timed_until_the_engines_are_idle_again():
+    """Work a request leaves running (a draft catch-up it no longer needs) is charged to it,
+    not to the next request it would slow down."""
+    readings = iter([{"target": 1, "draft": 1}, {"target": 0, "draft": 1}, {"target": 0, "draft": 0}])
+    calls = []
+
+    def running_calls():
+        calls.append(1)
+        return next(readings)
+
+    assert wait_until_idle("http://metrics", poll=0.0, running_calls=running_calls)
+    assert len(calls) == 3
+    # engines without the gauge (the trtllm profile), no metrics port, or one that cannot be read: no wait
+    assert not wait_until_idle("http://metrics", running_calls=lambda: {})
+    assert not wait_until_idle(None, running_calls=lambda: {"draft": 1})
+
+    def unreadable():
+        raise OSError("connection refused")
+
+    assert not wait_until_idle("http://metrics", running_calls=unreadable)
+    assert not wait_until_idle("http://metrics", timeout=0.0, poll=0.0, running_calls=lambda: {"draft": 1})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tools.scrape import engine_cached_tokens, engine_forward_time, metric_samples, metric_value
+from tools.scrape import (engine_cached_tokens, engine_forward_time, engine_running_calls, metric_samples,
+                          metric_value)
 
 # As Triton exports them (python-backend custom metrics next to Triton's own).
 EXPOSITION = """\
@@ -28,6 +29,10 @@ specdec_engine_forwards_total{model="draft"} 300
 # TYPE specdec_engine_forward_seconds_total counter
 specdec_engine_forward_seconds_total{model="target"} 24.5
 specdec_engine_forward_seconds_total{model="draft"} 9.25
+# HELP specdec_engine_running_calls Calls in flight in the CPU engine (prefilling or decoding)
+# TYPE specdec_engine_running_calls gauge
+specdec_engine_running_calls{model="target"} 0
+specdec_engine_running_calls{model="draft"} 1
 """
 
 
@@ -52,3 +57,8 @@ def test_engine_pool_sizes_by_model():
 def test_engine_forward_time_by_model():
     assert engine_forward_time(EXPOSITION) == {"target": (120, 24.5), "draft": (300, 9.25)}
     assert engine_forward_time("") == {}  # engines without the counters (the trtllm profile)
+
+
+def test_engine_running_calls_by_model():
+    assert engine_running_calls(EXPOSITION) == {"target": 0, "draft": 1}
+    assert engine_running_calls("") == {}

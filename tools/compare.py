@@ -255,7 +255,10 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
     the server's least-learnt estimates and the last the most. Each mode's seconds
     are its own requests' wall time; each request's prompt starts with a line of
     its own, so none reuses the KV cache of another. With ``metrics_url``, the
-    engines' forward counters are read around each request (Measurement.overhead_per_round)."""
+    engines' forward counters are read around each request (Measurement.overhead_per_round),
+    and a request's time runs until the engines are idle again: work it left
+    running (the draft's catch-up on a prompt it did not need in the end) is
+    charged to it, not to the next request, which it would slow down."""
     import tritonclient.grpc as grpcclient
 
     from tools.client import stream_completion
@@ -270,6 +273,7 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
                     before = _forward_time(metrics_url)
                     stolen, started = host_steal_seconds(), time.perf_counter()
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
+                    wait_until_idle(metrics_url)
                     seconds = time.perf_counter() - started
                     measurements[mode].seconds += seconds
                     measurements[mode].add_steal(stolen, host_steal_seconds())
@@ -278,6 +282,33 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
     except Exception as error:  # noqa: BLE001 - reported as the run's error
         raise BenchError(f"server at one stream: {error}") from error
     return [measurements[mode] for mode in modes]
+
+
+def wait_until_idle(metrics_url: str | None, timeout: float = 600.0, poll: float = 0.1,
+                    running_calls=None) -> bool:
+    """Wait until no engine has a call in flight (False: the engines export no such gauge or
+    cannot be read, or ``timeout`` passed)."""
+    if running_calls is None:
+        from tools.scrape import engine_running_calls, fetch_metrics
+
+        def running_calls():
+            return engine_running_calls(fetch_metrics(metrics_url))
+
+    if not metrics_url:
+        return False
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            calls = running_calls()
+        except OSError:
+            return False
+        if not calls:
+            return False
+        if not any(calls.values()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
 
 
 def _forward_time(metrics_url: str | None) -> dict[str, tuple[int, float]]:

@@ -44,3 +44,9 @@ def engine_forward_time(text: str) -> dict[str, tuple[int, float]]:
     seconds = {found["model"]: value for found, value in metric_samples(text, "specdec_engine_forward_seconds_total")}
     return {found["model"]: (int(value), seconds.get(found["model"], 0.0))
             for found, value in metric_samples(text, "specdec_engine_forwards_total")}
+
+
+def engine_running_calls(text: str) -> dict[str, int]:
+    """Calls in flight in each CPU engine (gauge specdec_engine_running_calls, by model); empty
+    where the engines export none (the trtllm profile)."""
+    return {found["model"]: int(value) for found, value in metric_samples(text, "specdec_engine_running_calls")}
