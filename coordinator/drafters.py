@@ -11,7 +11,8 @@ token is the target's own sample. So a drafter that has no distribution
 
 * ``draft_model``: the draft engine (a Triton model speaking the tensorrtllm
   contract). It catches up on a context it is behind on in a call of its own,
-  so the timed call is a steady-state cost sample.
+  so the timed call is a steady-state cost sample (on a prompt, in the
+  background and in calls of CATCH_UP_CHUNK tokens).
 * ``prompt_lookup``: the continuation of the latest earlier occurrence of the
   context's last n tokens (n from ``max_ngram`` down to ``min_ngram``), as in
   Saxena's prompt lookup decoding and TensorRT-LLM's n-gram drafter. No model:
@@ -51,6 +52,14 @@ DRAFTERS = (DRAFT_MODEL, PROMPT_LOOKUP, HYBRID)
 # Drafters that run no model: a rejected proposal costs only its verification
 # rows, so the acceptance under which the draft model stops paying does not apply.
 FREE_DRAFTERS = frozenset({PROMPT_LOOKUP})
+# The draft model's background catch-up on a prompt goes in calls of at most
+# this many tokens, each reusing the cache the one before left (the engines'
+# KV-cache reuse). A request that ends before its draft has caught up then
+# leaves at most one such call running: Triton 2.51 cannot cancel a BLS call,
+# and the rest of a long prompt's prefill would take the cores (or the GPU)
+# from other requests for nothing. 128 tokens are 16 forwards of the CPU
+# draft's 8 rows; on a GPU a few more round trips per prompt.
+CATCH_UP_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,11 @@ class Drafter(Protocol):
         drafter; ``using`` names the candidate to propose with (None: the preferred one)."""
         ...
 
-    def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
-        """Work worth starting in the background before the first proposal (None: nothing)."""
+    def warm_up(self, context: Sequence[int], seed: int,
+                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
+        """Work worth starting in the background before the first proposal (None: nothing);
+        True once all of it is done. ``wanted`` is asked before each engine call of it:
+        False (the request ended) stops it there."""
         ...
 
     def verified(self, context_length: int) -> None:
@@ -135,14 +147,24 @@ class ModelDrafter:
         rows, params = processed_rows(logits, tokens, for_engine_call(self.sampling, len(context)), end_id, context)
         return draft_log_probs(rows, params)
 
-    def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
+    def warm_up(self, context: Sequence[int], seed: int,
+                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
         # No deadline: the target decodes while the draft prefills the prompt, so
         # a slow prefill (a long prompt, a crowd of them) delays no token; the
         # request drafts once it is done. A dead engine still fails the call.
         if self.seen:
             return None
         self.seen = len(context)
-        return self._prefill(list(context), replace(self.sampling, seed=seed), deadline=False)
+        return self._catch_up(list(context), replace(self.sampling, seed=seed), wanted)
+
+    async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[], bool]) -> bool:
+        """``context`` into the draft engine's cache, CATCH_UP_CHUNK tokens a call (each
+        reuses the cache the call before left); no further call once ``wanted()`` is False."""
+        for end in catch_up_ends(len(context)):
+            if not wanted():
+                return False
+            await self.engine.generate(context[:end], 1, sampling)
+        return True
 
     async def _prefill(self, context: Sequence[int], sampling: SamplingParams, deadline: bool = True) -> None:
         """One call that puts ``context`` in the draft engine's cache (not priced as a draft step)."""
@@ -176,7 +198,8 @@ class PromptLookupDrafter:
         _, tokens = self.match(context, k)
         return Proposal(self.name, tokens, None, self.clock() - started)
 
-    def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
+    def warm_up(self, context: Sequence[int], seed: int,
+                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
         return None
 
     def verified(self, context_length: int) -> None:
@@ -212,17 +235,24 @@ class HybridDrafter:
         _, alternative = self.lookup.match(context, k + 1)  # the round emits k + 1 tokens at most
         return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
 
-    def warm_up(self, context: Sequence[int], seed: int) -> Awaitable[None] | None:
+    def warm_up(self, context: Sequence[int], seed: int,
+                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
         # Where prompt lookup has a match the text is likely copying: the draft
         # model's prefill would only take cores from the target; it catches up
         # when it is first needed.
         if self.candidates(context)[0] == self.lookup.name:
             return None
-        return self.model.warm_up(context, seed)
+        return self.model.warm_up(context, seed, wanted)
 
     def verified(self, context_length: int) -> None:
         if self._last == self.model.name:  # the draft model has not seen what prompt lookup proposed
             self.model.verified(context_length)
+
+
+def catch_up_ends(tokens: int, chunk: int | None = None) -> list[int]:
+    """Where the calls of a catch-up on ``tokens`` tokens end: every ``chunk`` (CATCH_UP_CHUNK) tokens, then the end."""
+    chunk = chunk or CATCH_UP_CHUNK
+    return [*range(chunk, tokens, chunk), tokens] if tokens > 0 else []
 
 
 class DrafterError(RuntimeError):

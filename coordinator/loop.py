@@ -22,7 +22,9 @@ the whole stretch in one streamed call (at most ``plain_stretch`` tokens):
 one round trip instead of one per token. For a greedy request the draft
 prefills the prompt in the background after the first round, while the
 target goes on plainly, so the draft's prefill delays neither the first token
-nor a speculative round. Which rounds speculate then depends on timing, which
+nor a speculative round; it goes in calls of a few hundred tokens at most
+(drafters.CATCH_UP_CHUNK), and a request that ends first issues no further
+call. Which rounds speculate then depends on timing, which
 greedy output does not; a sampled request keeps a schedule that depends only
 on its seed (the draft prefills in its first speculative round), so a seeded
 request repeats its text. Before the draft model first catches up on a prompt
@@ -161,6 +163,7 @@ async def speculative_decode(
     warmup: asyncio.Task | None = None  # the draft model's prompt prefill, in the background
     warmed = False
     draft_pays: bool | None = None  # whether the draft model's catch-up on the prompt pays (priced once)
+    request_over = False  # the background warm-up issues no further engine call once set
 
     def draft_model_pays(remaining: int) -> bool:
         nonlocal draft_pays
@@ -171,10 +174,11 @@ async def speculative_decode(
     async def timed_warm_up(work, tokens: int, at: int) -> None:
         """Run the warm-up and price it by the time it ran: an upper bound of what it
         costs the request (the target decodes meanwhile, the slower where they share
-        cores), so the pricing errs towards plain decoding, never towards a loss."""
+        cores), so the pricing errs towards plain decoding, never towards a loss. A
+        warm-up the request's end stopped early is no sample."""
         started = clock()
-        await work
-        costs.observe_draft_prefill(tokens, clock() - started, at)
+        if await work is not False:
+            costs.observe_draft_prefill(tokens, clock() - started, at)
 
     def report(round_: Round) -> Round:
         """The round as the cost model and the policy took it in."""
@@ -219,7 +223,8 @@ async def speculative_decode(
                         and policy.mode is not Mode.DRAFT_FAILED and not policy.held_back
                         and DRAFT_MODEL in drafter.uses and draft_model_pays(max_new_tokens - produced)):
                     warmed = True
-                    work = drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"))
+                    work = drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"),
+                                           wanted=lambda: not request_over)
                     if work is not None:
                         warmup = asyncio.ensure_future(timed_warm_up(work, len(context), len(context)))
                 continue
@@ -266,6 +271,7 @@ async def speculative_decode(
             if ended:
                 return
     finally:
+        request_over = True
         if warmup is not None and not warmup.done():
             warmup.add_done_callback(_drop_result)
 

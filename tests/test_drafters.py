@@ -15,7 +15,9 @@ from coordinator.drafters import (
     PROMPT_LOOKUP,
     HybridDrafter,
     ModelDrafter,
+    CATCH_UP_CHUNK,
     PromptLookupDrafter,
+    catch_up_ends,
     lookup,
     make_drafter,
 )
@@ -197,3 +199,44 @@ def test_each_drafter_is_priced_by_its_own_cost_and_acceptance():
     assert costs.draft_cost(4, drafter=PROMPT_LOOKUP) < 0.01 < costs.draft_cost(4, drafter=DRAFT_MODEL)
     assert policy.acceptance_estimate(PROMPT_LOOKUP) > 0.8 > 0.3 > policy.acceptance_estimate(DRAFT_MODEL)
     assert policy.window(0, PROMPT_LOOKUP) > 0
+
+
+class LengthRecordingEngine(ToyEngine):
+    """A ToyEngine that records each call's input length."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths: list[int] = []
+
+    async def generate(self, input_ids, max_new_tokens, sampling, draft_tokens=(), draft_logits=None,
+                       return_logits=False):
+        self.lengths.append(len(input_ids))
+        return await super().generate(input_ids, max_new_tokens, sampling, draft_tokens, draft_logits,
+                                      return_logits)
+
+
+def test_catch_up_calls_end_every_chunk_then_at_the_end():
+    assert catch_up_ends(300, 128) == [128, 256, 300]
+    assert catch_up_ends(256, 128) == [128, 256]
+    assert catch_up_ends(5, 128) == [5]
+    assert catch_up_ends(0, 128) == []
+    assert catch_up_ends(2 * CATCH_UP_CHUNK + 1) == [CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK + 1]
+
+
+def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_longer_wanted():
+    prompt = list(range(1, 2 * CATCH_UP_CHUNK + 40))
+    engine = LengthRecordingEngine()
+    model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
+    assert asyncio.run(model.warm_up(prompt, seed=1)) is True
+    assert engine.lengths == catch_up_ends(len(prompt))  # each call reuses the cache the one before left
+    assert engine.calls == [(1, 0)] * len(engine.lengths) and model.seen == len(prompt)
+    # the request ended after the first call: no second one, and it says it did not finish
+    engine, asked = LengthRecordingEngine(), []
+    model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
+    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda: not asked.append(1) and len(asked) < 2)) is False
+    assert engine.lengths == [CATCH_UP_CHUNK]
+    # the hybrid passes the request's wish on
+    engine = LengthRecordingEngine()
+    hybrid = make_drafter(HYBRID, model=lambda: ModelDrafter(engine, GREEDY, (), catch_up_after=6))
+    assert asyncio.run(hybrid.warm_up(prompt, seed=1, wanted=lambda: False)) is False
+    assert engine.lengths == []

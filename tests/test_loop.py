@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel
-from coordinator.drafters import DRAFT_MODEL
+from coordinator.drafters import CATCH_UP_CHUNK, DRAFT_MODEL
 from coordinator.loop import (
     EngineError,
     EngineOutput,
@@ -450,3 +450,34 @@ def test_a_refused_catch_up_is_measured_again_every_few_requests():
         run_stretched(prompt, 12, draft, ToyEngine(), SpeculationPolicy(4, 0.3, costs=costs))
         warmed_up.append(bool(draft.calls))
     assert warmed_up == ([False] * (PREFILL_EXPLORE_EVERY - 1) + [True]) * 2
+
+
+def test_a_request_that_ends_before_its_draft_caught_up_issues_no_further_catch_up_call():
+    """Triton cannot cancel an engine call, so the catch-up goes in chunks and a
+    finished request starts no new one: at most the call in flight runs on."""
+    class SlowDraft(ToyEngine):
+        def __init__(self):
+            super().__init__()
+            self.lengths = []
+
+        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
+            self.lengths.append(len(input_ids))
+            await asyncio.sleep(0.05)  # a chunk of the prompt's prefill
+            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
+
+    prompt = [1 + (i * 7) % 50 for i in range(6 * CATCH_UP_CHUNK)]
+    draft, costs = SlowDraft(), CostModel()
+
+    async def request_then_wait():
+        rounds = [r async for r in speculative_decode(
+            prompt, 3, draft=draft, target=ToyEngine(), policy=SpeculationPolicy(4, 0.3, costs=costs),
+            sampling=GREEDY, end_ids=(999,), plain_stretch=16)]
+        calls_at_the_end = len(draft.lengths)
+        await asyncio.sleep(0.5)  # long enough for every chunk, had they been issued
+        return rounds, calls_at_the_end
+
+    rounds, calls_at_the_end = asyncio.run(request_then_wait())
+    assert sum(len(r.tokens) for r in rounds) == 3 and sum(r.drafted for r in rounds) == 0
+    assert 1 <= calls_at_the_end < 6 and len(draft.lengths) == calls_at_the_end
+    assert draft.lengths == [CATCH_UP_CHUNK * (i + 1) for i in range(calls_at_the_end)]
+    assert costs.cell(len(prompt)).draft_prefill.samples == 0  # a catch-up cut short is no price sample
