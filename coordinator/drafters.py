@@ -89,10 +89,10 @@ class Drafter(Protocol):
         ...
 
     def warm_up(self, context: Sequence[int], seed: int,
-                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
+                wanted: Callable[[int], bool] = lambda done: True) -> Awaitable[int] | None:
         """Work worth starting in the background before the first proposal (None: nothing);
-        True once all of it is done. ``wanted`` is asked before each engine call of it:
-        False (the request ended) stops it there."""
+        it returns the context tokens it caught up on. ``wanted(done)``, ``done`` those
+        so far, is asked before each engine call of it: False stops it there."""
         ...
 
     def verified(self, context_length: int) -> None:
@@ -148,7 +148,7 @@ class ModelDrafter:
         return draft_log_probs(rows, params)
 
     def warm_up(self, context: Sequence[int], seed: int,
-                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
+                wanted: Callable[[int], bool] = lambda done: True) -> Awaitable[int] | None:
         # No deadline: the target decodes while the draft prefills the prompt, so
         # a slow prefill (a long prompt, a crowd of them) delays no token; the
         # request drafts once it is done. A dead engine still fails the call.
@@ -157,14 +157,17 @@ class ModelDrafter:
         self.seen = len(context)
         return self._catch_up(list(context), replace(self.sampling, seed=seed), wanted)
 
-    async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[], bool]) -> bool:
+    async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[int], bool]) -> int:
         """``context`` into the draft engine's cache, CATCH_UP_CHUNK tokens a call (each
-        reuses the cache the call before left); no further call once ``wanted()`` is False."""
+        reuses the cache the call before left); no further call once ``wanted(done)`` is
+        False. Returns ``done``, the tokens caught up on."""
+        done = 0
         for end in catch_up_ends(len(context)):
-            if not wanted():
-                return False
+            if not wanted(done):
+                break
             await self.engine.generate(context[:end], 1, sampling)
-        return True
+            done = end
+        return done
 
     async def _prefill(self, context: Sequence[int], sampling: SamplingParams, deadline: bool = True) -> None:
         """One call that puts ``context`` in the draft engine's cache (not priced as a draft step)."""
@@ -199,7 +202,7 @@ class PromptLookupDrafter:
         return Proposal(self.name, tokens, None, self.clock() - started)
 
     def warm_up(self, context: Sequence[int], seed: int,
-                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
+                wanted: Callable[[int], bool] = lambda done: True) -> Awaitable[int] | None:
         return None
 
     def verified(self, context_length: int) -> None:
@@ -236,7 +239,7 @@ class HybridDrafter:
         return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
 
     def warm_up(self, context: Sequence[int], seed: int,
-                wanted: Callable[[], bool] = lambda: True) -> Awaitable[bool] | None:
+                wanted: Callable[[int], bool] = lambda done: True) -> Awaitable[int] | None:
         # Where prompt lookup has a match the text is likely copying: the draft
         # model's prefill would only take cores from the target; it catches up
         # when it is first needed.

@@ -171,14 +171,32 @@ async def speculative_decode(
             draft_pays = policy.catch_up_pays(len(context), remaining)
         return draft_pays
 
-    async def timed_warm_up(work, tokens: int, at: int) -> None:
+    async def timed_warm_up(work, at: int) -> None:
         """Run the warm-up and price it by the time it ran: an upper bound of what it
         costs the request (the target decodes meanwhile, the slower where they share
         cores), so the pricing errs towards plain decoding, never towards a loss. A
-        warm-up the request's end stopped early is no sample."""
+        warm-up stopped early is priced by the part it did."""
         started = clock()
-        if await work is not False:
-            costs.observe_draft_prefill(tokens, clock() - started, at)
+        done = await work
+        if done:
+            costs.observe_draft_prefill(done, clock() - started, at)
+
+    def catch_up_wanted(tokens: int) -> Callable[[int], bool]:
+        """Asked before each call of the draft's catch-up on ``tokens`` tokens: the request
+        is still running, and the rest still pays at the rate its calls so far went."""
+        started = clock()
+
+        def wanted(done: int) -> bool:
+            nonlocal draft_pays
+            if request_over or draft_pays is False:
+                return False
+            if done == 0 or policy.rest_of_catch_up_pays(tokens, tokens - done, max_new_tokens - produced,
+                                                         (clock() - started) / done):
+                return True
+            draft_pays = False  # the draft model sits out the rest of the request
+            return False
+
+        return wanted
 
     def report(round_: Round) -> Round:
         """The round as the cost model and the policy took it in."""
@@ -224,9 +242,9 @@ async def speculative_decode(
                         and DRAFT_MODEL in drafter.uses and draft_model_pays(max_new_tokens - produced)):
                     warmed = True
                     work = drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"),
-                                           wanted=lambda: not request_over)
+                                           wanted=catch_up_wanted(len(context)))
                     if work is not None:
-                        warmup = asyncio.ensure_future(timed_warm_up(work, len(context), len(context)))
+                        warmup = asyncio.ensure_future(timed_warm_up(work, len(context)))
                 continue
             started = clock()
             try:

@@ -204,17 +204,39 @@ class SpeculationPolicy:
         tokens; True while either cost is unmeasured (the request measures it).
         A fixed-window request gets the draft it asked for."""
         per_token = self.costs.draft_prefill_seconds(context)
-        plain = self.costs.plain_seconds(context)
-        if self.max_window <= 0 or not self.adaptive or per_token is None or plain is None:
+        saving = self._draft_model_saving(context, remaining)
+        if per_token is None or saving is None:
             return True
-        _, speedup = self.costs.best_window(self.acceptance_estimate(DRAFT_MODEL), self.max_window, context)
-        saving = remaining * plain * (1.0 - 1.0 / speedup)
         cost = per_token * context
         if saving > cost or self.costs.explore_prefill(context):
             return True
         self.reason = (f"draft model not used: catching up on {context} tokens (~{cost:.1f} s) is predicted "
                        f"to save less over the {remaining} tokens left (~{saving:.1f} s)")
         return False
+
+    def rest_of_catch_up_pays(self, context: int, tokens_left: int, remaining: int, per_token: float) -> bool:
+        """Whether a catch-up under way, ``tokens_left`` of its ``context`` tokens still to go,
+        still pays over the ``remaining`` tokens, at the ``per_token`` seconds its own calls
+        so far took: the request's own evidence, where the first catch-ups of a fresh
+        server have no price yet and would otherwise run to their end."""
+        saving = self._draft_model_saving(context, remaining)
+        if saving is None:
+            return True
+        cost = per_token * tokens_left
+        if saving > cost:
+            return True
+        self.reason = (f"draft model not used: the rest of its catch-up on {context} tokens ({tokens_left} tokens, "
+                       f"~{cost:.1f} s) is predicted to save less over the {remaining} tokens left (~{saving:.1f} s)")
+        return False
+
+    def _draft_model_saving(self, context: int, remaining: int) -> float | None:
+        """Seconds the draft model is predicted to save over ``remaining`` tokens at
+        ``context`` (None: not priced, a fixed window or nothing measured yet)."""
+        plain = self.costs.plain_seconds(context)
+        if self.max_window <= 0 or not self.adaptive or plain is None:
+            return None
+        _, speedup = self.costs.best_window(self.acceptance_estimate(DRAFT_MODEL), self.max_window, context)
+        return remaining * plain * (1.0 - 1.0 / speedup)
 
     def acceptance_estimate(self, drafter: str = DRAFT_MODEL) -> float:
         """Per-token acceptance a of ``drafter``: the request's recent rounds plus a server-wide prior."""

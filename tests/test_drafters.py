@@ -225,18 +225,19 @@ def test_catch_up_calls_end_every_chunk_then_at_the_end():
 
 def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_longer_wanted():
     prompt = list(range(1, 2 * CATCH_UP_CHUNK + 40))
-    engine = LengthRecordingEngine()
-    model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
-    assert asyncio.run(model.warm_up(prompt, seed=1)) is True
-    assert engine.lengths == catch_up_ends(len(prompt))  # each call reuses the cache the one before left
-    assert engine.calls == [(1, 0)] * len(engine.lengths) and model.seen == len(prompt)
-    # the request ended after the first call: no second one, and it says it did not finish
     engine, asked = LengthRecordingEngine(), []
     model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
-    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda: not asked.append(1) and len(asked) < 2)) is False
+    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: not asked.append(done))) == len(prompt)
+    assert engine.lengths == catch_up_ends(len(prompt))  # each call reuses the cache the one before left
+    assert asked == [0, *engine.lengths[:-1]]  # asked before each call, with what was caught up so far
+    assert engine.calls == [(1, 0)] * len(engine.lengths) and model.seen == len(prompt)
+    # no longer wanted after the first call: no second one, and it says how far it got
+    engine = LengthRecordingEngine()
+    model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
+    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: done == 0)) == CATCH_UP_CHUNK
     assert engine.lengths == [CATCH_UP_CHUNK]
     # the hybrid passes the request's wish on
     engine = LengthRecordingEngine()
     hybrid = make_drafter(HYBRID, model=lambda: ModelDrafter(engine, GREEDY, (), catch_up_after=6))
-    assert asyncio.run(hybrid.warm_up(prompt, seed=1, wanted=lambda: False)) is False
+    assert asyncio.run(hybrid.warm_up(prompt, seed=1, wanted=lambda done: False)) == 0
     assert engine.lengths == []

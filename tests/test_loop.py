@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel
-from coordinator.drafters import CATCH_UP_CHUNK, DRAFT_MODEL
+from coordinator.drafters import CATCH_UP_CHUNK, DRAFT_MODEL, catch_up_ends
 from coordinator.loop import (
     EngineError,
     EngineOutput,
@@ -480,4 +480,57 @@ def test_a_request_that_ends_before_its_draft_caught_up_issues_no_further_catch_
     assert sum(len(r.tokens) for r in rounds) == 3 and sum(r.drafted for r in rounds) == 0
     assert 1 <= calls_at_the_end < 6 and len(draft.lengths) == calls_at_the_end
     assert draft.lengths == [CATCH_UP_CHUNK * (i + 1) for i in range(calls_at_the_end)]
-    assert costs.cell(len(prompt)).draft_prefill.samples == 0  # a catch-up cut short is no price sample
+    # what it did is a price sample of its own (seconds per token caught up)
+    assert costs.cell(len(prompt)).draft_prefill.samples == 1
+
+
+def test_a_catch_up_whose_own_calls_show_it_will_not_pay_stops_and_the_request_decodes_plainly():
+    """A fresh server has no price for a long prompt's catch-up, so the first
+    requests catch up to measure it; the request's own first call already tells
+    what the rest would cost, and a rest that cannot pay over the tokens left stops."""
+    class Clocked(ToyEngine):
+        """Every call costs ``seconds`` on the fake clock; streamed plain tokens 0.1 s each."""
+
+        def __init__(self, clock, seconds):
+            super().__init__()
+            self.clock, self.seconds, self.lengths = clock, seconds, []
+
+        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
+            self.lengths.append(len(input_ids))
+            await asyncio.sleep(0)
+            self.clock.now += self.seconds
+            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
+
+        async def stream(self, input_ids, max_new_tokens, sampling):
+            self.streamed.append(max_new_tokens)
+            output = await ToyEngine.generate(self, input_ids, max_new_tokens, sampling)
+            for token in output.tokens:
+                await asyncio.sleep(0)
+                self.clock.now += 0.1
+                yield EngineOutput([token])
+
+    def request(draft_seconds):
+        clock, costs = FakeClock(), CostModel()
+        costs.observe_plain(0.1, context=len(prompt))
+        draft, policy = Clocked(clock, draft_seconds), SpeculationPolicy(4, 0.3, costs=costs)
+
+        async def collect():
+            return [r async for r in speculative_decode(
+                prompt, 40, draft=draft, target=Clocked(clock, 0.1), policy=policy, sampling=GREEDY,
+                end_ids=(999,), plain_stretch=16, clock=clock)]
+
+        return asyncio.run(collect()), draft, policy
+
+    prompt = [1 + (i * 7) % 50 for i in range(6 * CATCH_UP_CHUNK)]
+    plain, _ = run(prompt, 40, ToyEngine(), ToyEngine(), window=0)
+    rounds, draft, policy = request(draft_seconds=1.0)
+    assert tokens_of(rounds) == tokens_of(plain)
+    # its first call of 128 tokens took 1 s: the other 641 would take 5 s, more than the
+    # at most 4 s that 40 tokens of 0.1 s could save; so no second call, and no draft model
+    assert draft.lengths == [CATCH_UP_CHUNK] and sum(r.drafted for r in rounds) == 0
+    assert policy.reason.startswith(f"draft model not used: the rest of its catch-up on {len(prompt) + 1} tokens")
+    # a cheap catch-up goes on to its end
+    rounds, draft, policy = request(draft_seconds=0.001)
+    assert tokens_of(rounds) == tokens_of(plain)
+    assert draft.lengths[:7] == catch_up_ends(len(prompt) + 1)
+    assert not policy.reason.startswith("draft model not used")
