@@ -162,9 +162,9 @@ class ModelDrafter:
         return self._catch_up(list(context), replace(self.sampling, seed=seed), wanted)
 
     async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[int], bool]) -> int:
-        """``context`` into the draft engine's cache in calls of up to CATCH_UP_CHUNK
-        tokens (catch_up_ends; each reuses the cache the call before left); no further call once ``wanted(done)`` is
-        False. Returns ``done``, the tokens caught up on."""
+        """``context`` into the draft engine's cache in calls of up to CATCH_UP_CHUNK tokens
+        (catch_up_ends; each reuses the cache the call before left); no further call once
+        ``wanted(done)`` is False. Returns ``done``, the tokens caught up on."""
         done = 0
         for end in catch_up_ends(len(context)):
             if not wanted(done):

@@ -22,9 +22,9 @@ the whole stretch in one streamed call (at most ``plain_stretch`` tokens):
 one round trip instead of one per token. For a greedy request the draft
 prefills the prompt in the background after the first round, while the
 target goes on plainly, so the draft's prefill delays neither the first token
-nor a speculative round; it goes in calls of a few hundred tokens at most
-(drafters.CATCH_UP_CHUNK), and a request that ends first issues no further
-call. Which rounds speculate then depends on timing, which
+nor a speculative round; it goes in calls of at most 128 tokens
+(drafters.CATCH_UP_CHUNK), and a request that ends first, or whose calls so
+far show the rest cannot pay, issues no further call. Which rounds speculate then depends on timing, which
 greedy output does not; a sampled request keeps a schedule that depends only
 on its seed (the draft prefills in its first speculative round), so a seeded
 request repeats its text. Before the draft model first catches up on a prompt
