@@ -12,7 +12,7 @@ token is the target's own sample. So a drafter that has no distribution
 * ``draft_model``: the draft engine (a Triton model speaking the tensorrtllm
   contract). It catches up on a context it is behind on in a call of its own,
   so the timed call is a steady-state cost sample (on a prompt, in the
-  background and in calls of at most CATCH_UP_CHUNK tokens).
+  background and in calls of CATCH_UP_CHUNK tokens).
 * ``prompt_lookup``: the continuation of the latest earlier occurrence of the
   context's last n tokens (n from ``max_ngram`` down to ``min_ngram``), as in
   Saxena's prompt lookup decoding and TensorRT-LLM's n-gram drafter. No model:
@@ -58,12 +58,8 @@ FREE_DRAFTERS = frozenset({PROMPT_LOOKUP})
 # leaves at most one such call running: Triton 2.51 cannot cancel a BLS call,
 # and the rest of a long prompt's prefill would take the cores (or the GPU)
 # from other requests for nothing. 128 tokens are 16 forwards of the CPU
-# draft's 8 rows; on a GPU a few more round trips per prompt. The first call
-# is smaller (FIRST_CATCH_UP_CHUNK), then each doubles up to CATCH_UP_CHUNK:
-# before the second call the request prices the rest at the rate of the
-# first (loop.py), so little is spent before a catch-up that cannot pay stops.
+# draft's 8 rows; on a GPU a few more round trips per prompt.
 CATCH_UP_CHUNK = 128
-FIRST_CATCH_UP_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -162,9 +158,9 @@ class ModelDrafter:
         return self._catch_up(list(context), replace(self.sampling, seed=seed), wanted)
 
     async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[int], bool]) -> int:
-        """``context`` into the draft engine's cache in calls of up to CATCH_UP_CHUNK tokens
-        (catch_up_ends; each reuses the cache the call before left); no further call once
-        ``wanted(done)`` is False. Returns ``done``, the tokens caught up on."""
+        """``context`` into the draft engine's cache, CATCH_UP_CHUNK tokens a call (each
+        reuses the cache the call before left); no further call once ``wanted(done)`` is
+        False. Returns ``done``, the tokens caught up on."""
         done = 0
         for end in catch_up_ends(len(context)):
             if not wanted(done):
@@ -256,14 +252,10 @@ class HybridDrafter:
             self.model.verified(context_length)
 
 
-def catch_up_ends(tokens: int, first: int = FIRST_CATCH_UP_CHUNK, largest: int = CATCH_UP_CHUNK) -> list[int]:
-    """Where the calls of a catch-up on ``tokens`` tokens end: ``first`` tokens, then calls
-    twice as long as the one before up to ``largest`` tokens, the last one at the end."""
-    ends, size = [], min(first, largest)
-    while ends[-1:] != [tokens] and tokens > 0:
-        ends.append(min((ends[-1] if ends else 0) + size, tokens))
-        size = min(2 * size, largest)
-    return ends
+def catch_up_ends(tokens: int, chunk: int | None = None) -> list[int]:
+    """Where the calls of a catch-up on ``tokens`` tokens end: every ``chunk`` (CATCH_UP_CHUNK) tokens, then the end."""
+    chunk = chunk or CATCH_UP_CHUNK
+    return [*range(chunk, tokens, chunk), tokens] if tokens > 0 else []
 
 
 class DrafterError(RuntimeError):

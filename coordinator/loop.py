@@ -183,21 +183,15 @@ async def speculative_decode(
 
     def catch_up_wanted(tokens: int) -> Callable[[int], bool]:
         """Asked before each call of the draft's catch-up on ``tokens`` tokens: the request
-        is still running, and the rest still pays at the rate its calls so far cost. What
-        they cost the request is the time its target lost meanwhile: the time they took,
-        less what the tokens the target produced meanwhile take at a plain step's cost."""
-        started, produced_before = clock(), produced
+        is still running, and the rest still pays at the rate its calls so far went."""
+        started = clock()
 
         def wanted(done: int) -> bool:
             nonlocal draft_pays
             if request_over or draft_pays is False:
                 return False
-            if done == 0:
-                return True
-            elapsed = clock() - started
-            plain = costs.plain_seconds(tokens)
-            lost = elapsed if plain is None else max(0.0, elapsed - (produced - produced_before) * plain)
-            if policy.rest_of_catch_up_pays(tokens, tokens - done, max_new_tokens - produced, lost / done):
+            if done == 0 or policy.rest_of_catch_up_pays(tokens, tokens - done, max_new_tokens - produced,
+                                                         (clock() - started) / done):
                 return True
             draft_pays = False  # the draft model sits out the rest of the request
             return False

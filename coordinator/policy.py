@@ -217,7 +217,7 @@ class SpeculationPolicy:
     def rest_of_catch_up_pays(self, context: int, tokens_left: int, remaining: int, per_token: float) -> bool:
         """Whether a catch-up under way, ``tokens_left`` of its ``context`` tokens still to go,
         still pays over the ``remaining`` tokens, at the ``per_token`` seconds its own calls
-        so far cost the request: its own evidence, where the first catch-ups of a fresh
+        so far took: its own evidence, where the first catch-ups of a fresh
         server have no price yet and would otherwise run until their request ends."""
         saving = self._draft_model_saving(context, remaining)
         if saving is None:

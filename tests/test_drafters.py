@@ -16,7 +16,6 @@ from coordinator.drafters import (
     HybridDrafter,
     ModelDrafter,
     CATCH_UP_CHUNK,
-    FIRST_CATCH_UP_CHUNK,
     PromptLookupDrafter,
     catch_up_ends,
     lookup,
@@ -216,15 +215,12 @@ class LengthRecordingEngine(ToyEngine):
                                       return_logits)
 
 
-def test_catch_up_calls_start_small_and_double_up_to_the_largest_then_end_at_the_end():
-    assert catch_up_ends(600, 32, 128) == [32, 96, 224, 352, 480, 600]
-    assert catch_up_ends(96, 32, 128) == [32, 96]
-    assert catch_up_ends(300, 128, 128) == [128, 256, 300]
-    assert catch_up_ends(5, 32, 128) == [5]
-    assert catch_up_ends(0, 32, 128) == []
-    ends = catch_up_ends(2000)
-    assert ends[0] == FIRST_CATCH_UP_CHUNK and ends[-1] == 2000
-    assert max(b - a for a, b in zip([0, *ends], ends)) == CATCH_UP_CHUNK
+def test_catch_up_calls_end_every_chunk_then_at_the_end():
+    assert catch_up_ends(300, 128) == [128, 256, 300]
+    assert catch_up_ends(256, 128) == [128, 256]
+    assert catch_up_ends(5, 128) == [5]
+    assert catch_up_ends(0, 128) == []
+    assert catch_up_ends(2 * CATCH_UP_CHUNK + 1) == [CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK + 1]
 
 
 def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_longer_wanted():
@@ -238,8 +234,8 @@ def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_long
     # no longer wanted after the first call: no second one, and it says how far it got
     engine = LengthRecordingEngine()
     model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
-    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: done == 0)) == FIRST_CATCH_UP_CHUNK
-    assert engine.lengths == [FIRST_CATCH_UP_CHUNK]
+    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: done == 0)) == CATCH_UP_CHUNK
+    assert engine.lengths == [CATCH_UP_CHUNK]
     # the hybrid passes the request's wish on
     engine = LengthRecordingEngine()
     hybrid = make_drafter(HYBRID, model=lambda: ModelDrafter(engine, GREEDY, (), catch_up_after=6))
