@@ -165,7 +165,7 @@ class ModelDrafter:
         for end in catch_up_ends(len(context)):
             if not wanted(done):
                 break
-            await self.engine.generate(context[:end], 1, sampling)
+            await self._prefill(context[:end], sampling, deadline=False)
             done = end
         return done
 
@@ -252,9 +252,8 @@ class HybridDrafter:
             self.model.verified(context_length)
 
 
-def catch_up_ends(tokens: int, chunk: int | None = None) -> list[int]:
-    """Where the calls of a catch-up on ``tokens`` tokens end: every ``chunk`` (CATCH_UP_CHUNK) tokens, then the end."""
-    chunk = chunk or CATCH_UP_CHUNK
+def catch_up_ends(tokens: int, chunk: int = CATCH_UP_CHUNK) -> list[int]:
+    """Where the calls of a catch-up on ``tokens`` tokens end: every ``chunk`` tokens, then the end."""
     return [*range(chunk, tokens, chunk), tokens] if tokens > 0 else []
 
 

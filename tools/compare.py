@@ -288,14 +288,14 @@ def wait_until_idle(metrics_url: str | None, timeout: float = 600.0, poll: float
                     running_calls=None) -> bool:
     """Wait until no engine has a call in flight (False: the engines export no such gauge or
     cannot be read, or ``timeout`` passed)."""
+    if not metrics_url:
+        return False
     if running_calls is None:
         from tools.scrape import engine_running_calls, fetch_metrics
 
         def running_calls():
             return engine_running_calls(fetch_metrics(metrics_url))
 
-    if not metrics_url:
-        return False
     deadline = time.monotonic() + timeout
     while True:
         try:
