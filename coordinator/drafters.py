@@ -60,6 +60,13 @@ FREE_DRAFTERS = frozenset({PROMPT_LOOKUP})
 # from other requests for nothing. 128 tokens are 16 forwards of the CPU
 # draft's 8 rows; on a GPU a few more round trips per prompt.
 CATCH_UP_CHUNK = 128
+# On a prompt longer than two chunks the first call is shorter: where no
+# earlier catch-up has priced one (a fresh server), the request learns from
+# this call whether the rest pays, so a long prompt whose catch-up does not pay
+# has cost the request only this much. A shorter prompt is caught up in at
+# most two calls: a short first call's rate, which carries a call's fixed
+# costs, would overprice a catch-up that is cheap anyway.
+CATCH_UP_FIRST = 32
 
 
 @dataclass(frozen=True)
@@ -158,8 +165,8 @@ class ModelDrafter:
         return self._catch_up(list(context), replace(self.sampling, seed=seed), wanted)
 
     async def _catch_up(self, context: list[int], sampling: SamplingParams, wanted: Callable[[int], bool]) -> int:
-        """``context`` into the draft engine's cache, CATCH_UP_CHUNK tokens a call (each
-        reuses the cache the call before left); no further call once ``wanted(done)`` is
+        """``context`` into the draft engine's cache in the calls ``catch_up_ends`` gives
+        (each reuses the cache the call before left); no further call once ``wanted(done)`` is
         False. Returns ``done``, the tokens caught up on."""
         done = 0
         for end in catch_up_ends(len(context)):
@@ -252,9 +259,13 @@ class HybridDrafter:
             self.model.verified(context_length)
 
 
-def catch_up_ends(tokens: int, chunk: int = CATCH_UP_CHUNK) -> list[int]:
-    """Where the calls of a catch-up on ``tokens`` tokens end: every ``chunk`` tokens, then the end."""
-    return [*range(chunk, tokens, chunk), tokens] if tokens > 0 else []
+def catch_up_ends(tokens: int, chunk: int = CATCH_UP_CHUNK, first: int = CATCH_UP_FIRST) -> list[int]:
+    """Where the calls of a catch-up on ``tokens`` tokens end: after ``first`` tokens
+    if ``tokens`` is over two chunks (else after one chunk), then every ``chunk``
+    tokens, then the end."""
+    if tokens <= 0:
+        return []
+    return [*range(first if tokens > 2 * chunk else chunk, tokens, chunk), tokens]
 
 
 class DrafterError(RuntimeError):

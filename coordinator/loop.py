@@ -22,16 +22,16 @@ the whole stretch in one streamed call (at most ``plain_stretch`` tokens):
 one round trip instead of one per token. For a greedy request the draft
 prefills the prompt in the background after the first round, while the
 target goes on plainly, so the draft's prefill delays neither the first token
-nor a speculative round; it goes in calls of at most 128 tokens
-(drafters.CATCH_UP_CHUNK), and a request that ends first, or whose calls so
-far show the rest cannot pay, issues no further call. Which rounds speculate
-then depends on timing, which greedy output does not; a sampled request
-keeps a schedule that depends only on its seed (the draft prefills in its
-first speculative round), so a seeded request repeats its text. Before the
-draft model first catches up on a prompt the policy prices that catch-up
-(measured seconds per token of earlier warm-ups) against what speculation is
-predicted to save over the tokens left: a long prompt with a short completion
-decodes without the draft model.
+nor a speculative round; it goes in calls of at most 128 tokens, the first
+of only 32 on a prompt over 256 (drafters.catch_up_ends), and a request that ends first, or
+whose calls so far show the rest cannot pay, issues no further call. Which
+rounds speculate then depends on timing, which greedy output does not; a
+sampled request keeps a schedule that depends only on its seed (the draft
+prefills in its first speculative round), so a seeded request repeats its
+text. Before the draft model first catches up on a prompt the policy prices
+that catch-up (measured seconds per token of earlier warm-ups) against what
+speculation is predicted to save over the tokens left: a long prompt with a
+short completion decodes without the draft model.
 
 A draft call that raises, or does not answer within ``draft_timeout`` seconds,
 switches the request to target-only decoding (``policy.draft_failed``); the

@@ -16,6 +16,7 @@ from coordinator.drafters import (
     HybridDrafter,
     ModelDrafter,
     CATCH_UP_CHUNK,
+    CATCH_UP_FIRST,
     PromptLookupDrafter,
     catch_up_ends,
     lookup,
@@ -215,12 +216,18 @@ class LengthRecordingEngine(ToyEngine):
                                       return_logits)
 
 
-def test_catch_up_calls_end_every_chunk_then_at_the_end():
-    assert catch_up_ends(300, 128) == [128, 256, 300]
-    assert catch_up_ends(256, 128) == [128, 256]
-    assert catch_up_ends(5, 128) == [5]
-    assert catch_up_ends(0, 128) == []
-    assert catch_up_ends(2 * CATCH_UP_CHUNK + 1) == [CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK + 1]
+def test_catch_up_calls_end_after_a_short_first_call_on_a_long_prompt_then_every_chunk_then_at_the_end():
+    assert catch_up_ends(300, 128, 32) == [32, 160, 288, 300]
+    assert catch_up_ends(257, 128, 32) == [32, 160, 257]
+    assert catch_up_ends(300, 128, 128) == [128, 256, 300]
+    # up to two chunks: no short first call
+    assert catch_up_ends(256, 128, 32) == [128, 256]
+    assert catch_up_ends(150, 128, 32) == [128, 150]
+    assert catch_up_ends(20, 128, 32) == [20]
+    assert catch_up_ends(0, 128, 32) == []
+    assert CATCH_UP_FIRST < CATCH_UP_CHUNK
+    long = 2 * CATCH_UP_CHUNK + 1
+    assert catch_up_ends(long) == [CATCH_UP_FIRST, CATCH_UP_FIRST + CATCH_UP_CHUNK, 2 * CATCH_UP_CHUNK + 1]
 
 
 def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_longer_wanted():
@@ -234,8 +241,8 @@ def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_long
     # no longer wanted after the first call: no second one, and it says how far it got
     engine = LengthRecordingEngine()
     model = ModelDrafter(engine, GREEDY, (), catch_up_after=6)
-    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: done == 0)) == CATCH_UP_CHUNK
-    assert engine.lengths == [CATCH_UP_CHUNK]
+    assert asyncio.run(model.warm_up(prompt, seed=1, wanted=lambda done: done == 0)) == CATCH_UP_FIRST
+    assert engine.lengths == [CATCH_UP_FIRST]
     # the hybrid passes the request's wish on
     engine = LengthRecordingEngine()
     hybrid = make_drafter(HYBRID, model=lambda: ModelDrafter(engine, GREEDY, (), catch_up_after=6))

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel
-from coordinator.drafters import CATCH_UP_CHUNK, DRAFT_MODEL, catch_up_ends
+from coordinator.drafters import CATCH_UP_CHUNK, CATCH_UP_FIRST, DRAFT_MODEL, catch_up_ends
 from coordinator.loop import (
     EngineError,
     EngineOutput,
@@ -479,7 +479,7 @@ def test_a_request_that_ends_before_its_draft_caught_up_issues_no_further_catch_
     rounds, calls_at_the_end = asyncio.run(request_then_wait())
     assert sum(len(r.tokens) for r in rounds) == 3 and sum(r.drafted for r in rounds) == 0
     assert 1 <= calls_at_the_end < 6 and len(draft.lengths) == calls_at_the_end
-    assert draft.lengths == [CATCH_UP_CHUNK * (i + 1) for i in range(calls_at_the_end)]
+    assert draft.lengths == catch_up_ends(len(prompt))[:calls_at_the_end]
     # what it did is a price sample of its own (seconds per token caught up)
     assert costs.cell(len(prompt)).draft_prefill.samples == 1
 
@@ -525,9 +525,10 @@ def test_a_catch_up_whose_own_calls_show_it_will_not_pay_stops_and_the_request_d
     plain, _ = run(prompt, 40, ToyEngine(), ToyEngine(), window=0)
     rounds, draft, policy = request(draft_seconds=1.0)
     assert tokens_of(rounds) == tokens_of(plain)
-    # its first call of 128 tokens took 1 s: the other 641 would take 5 s, more than the
+    # its first call of 32 tokens took 1 s: the other 737 would take 23 s, more than the
     # at most 4 s that 40 tokens of 0.1 s could save; so no second call, and no draft model
-    assert draft.lengths == [CATCH_UP_CHUNK] and sum(r.drafted for r in rounds) == 0
+    assert CATCH_UP_FIRST == 32 and len(prompt) + 1 == 769
+    assert draft.lengths == [CATCH_UP_FIRST] and sum(r.drafted for r in rounds) == 0
     assert policy.reason.startswith(f"draft model not used: the rest of its catch-up on {len(prompt) + 1} tokens")
     # a cheap catch-up goes on to its end
     rounds, draft, policy = request(draft_seconds=0.001)
