@@ -176,10 +176,11 @@ def test_canonical_lengths():
 
 # ---- the real target: speculation is bitwise-identical to plain decoding --------------------
 
-TOKENS = 48
+TOKENS = 32
 # Draft counts of successive verify rounds, repeated until all TOKENS are
 # verified: each chain starts at the prompt and continues from the previous
-# round's cache, as speculation does. The prompts (86-166 tokens) plus 48 tokens
+# round's cache, as speculation does; together the two chains verify every
+# draft count from 1 to 7. The prompts (118 and 166 tokens) plus 32 tokens
 # cross a KEY_BLOCK boundary, so some blocks are computed in two passes.
 CHAINS = [(1, 2, 3, 4, 5, 6, 7), (7, 6, 5, 4, 3, 2, 1)]
 
@@ -195,8 +196,9 @@ def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
     engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
     problems = load_humaneval()
-    for task in ("HumanEval/0", "HumanEval/5", "HumanEval/17"):
+    for task in ("HumanEval/0", "HumanEval/17"):
         prompt = tokenizer.encode(problems[task], add_special_tokens=True).ids
+        assert len(prompt) // attention.KEY_BLOCK < (len(prompt) + TOKENS - 1) // attention.KEY_BLOCK, task
         plain = engine.run(EngineRequest(np.array(prompt), TOKENS, return_logits=True))
         assert len(plain.tokens) == TOKENS
         for chain in CHAINS:

@@ -1,6 +1,6 @@
 """Smoke run of the locust load test against a real tritonserver with the real
 model pair (the ``triton_server`` fixture): 2 users, one with speculation and
-one without, for 60 s. Zero failures, and the reports `make loadtest` relies on."""
+one without, for 30 s. Zero failures, and the reports `make loadtest` relies on."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_locust_smoke_run_has_no_failures_and_writes_the_reports(triton_server, 
     html = tmp_path / "locust.html"
     proc = subprocess.run(
         [str(LOCUST), "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless", "--only-summary",
-         "--host", triton_server.grpc_url, "--steps", "2", "--modes", "mix", "--step-seconds", "60",
+         "--host", triton_server.grpc_url, "--steps", "2", "--modes", "mix", "--step-seconds", "30",
          # HumanEval 13-16: short prompts (53-67 tokens), so one request fits the
          # phase also where the engine prefills a few rows per forward (AVX2-only CPUs).
          "--max-tokens", "16", "--humaneval", "13-16", "--request-timeout", "90",

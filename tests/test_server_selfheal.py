@@ -35,7 +35,7 @@ from tools.soak import process_memory, process_tree
 pytestmark = [pytest.mark.slow, pytest.mark.kills_engines]
 
 PROMPTS = ("def fibonacci(n):\n    ", "def is_prime(n: int) -> bool:\n    ")
-TOKENS = 40  # per request: enough rounds to be in flight at the kill, few enough to stay quick
+TOKENS = 24  # per request: several seconds of rounds, so both are in flight at the kill 2 s in
 DRAFT_BACK_SECONDS = 60
 TARGET_UNREADY_SECONDS = 10
 TARGET_BACK_SECONDS = 120
