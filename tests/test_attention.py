@@ -185,15 +185,25 @@ TOKENS = 32
 CHAINS = [(1, 2, 3, 4, 5, 6, 7), (7, 6, 5, 4, 3, 2, 1)]
 
 
+def served_dtype() -> str:
+    """The dtype the server's target engine computes in on this machine (its
+    config says ``auto``: bfloat16 where the CPU has native bfloat16, else float32)."""
+    from cpu_engine.engine import resolve_dtype
+    from tests._config_helpers import model_config, parameter
+
+    return resolve_dtype(parameter(model_config("target", "cpu"), "dtype"))
+
+
 @pytest.mark.slow
 def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
-    """The real target, found (or prepared) where the server keeps it: SPECDEC_CACHE_DIR, else ~/.cache/specdec."""
+    """The real target, found (or prepared) where the server keeps it: SPECDEC_CACHE_DIR, else ~/.cache/specdec,
+    in the dtype the server runs it in here."""
     from tokenizers import Tokenizer
 
     from tools.prompts import load_humaneval
     from cpu_engine.engine import CausalLMEngine, EngineRequest
 
-    engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2)
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(), num_threads=2)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
     problems = load_humaneval()
     for task in ("HumanEval/0", "HumanEval/17"):
@@ -226,7 +236,7 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
     from tools.prompts import load_humaneval
     from cpu_engine.engine import CausalLMEngine, EngineRequest
 
-    engine = CausalLMEngine(str(real_target_dir), dtype="bfloat16", num_threads=2, max_cached_sequences=0)
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(), num_threads=2, max_cached_sequences=0)
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
     problems = load_humaneval()
     prompts = [tokenizer.encode(problems[task], add_special_tokens=True).ids

@@ -447,7 +447,7 @@ def test_memory_returns_to_its_baseline_after_repeated_cancellations(triton_serv
 # -- 4. concurrency ------------------------------------------------------------------
 
 
-def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
+def test_eight_concurrent_greedy_streams_equal_plain_decoding(triton_server):
     # The eight shortest HumanEval problems of the development range (38-50 tokens). With the
     # other tests' entries, more sequences than the engines' pools keep (8): entries are evicted
     # while the streams run, and the outputs must not change.
@@ -456,11 +456,14 @@ def test_eight_concurrent_greedy_streams_equal_one_at_a_time(triton_server):
     # of a prompt can take longer than the target's first 12 tokens, and a
     # stream that ends before its draft is warm never drafts.
     kwargs = dict(max_tokens=32, speculation_window=4, adaptive_window=False)
-    alone = [complete(triton_server, p, **kwargs) for p in prompts]
+    # The reference: the same eight prompts decoded plainly, also in a crowd of
+    # eight (in-flight batching gives each sequence bitwise what it gets alone:
+    # tests/test_attention.py on the real target), so the reference costs
+    # 32 batched forwards instead of eight requests one after another.
+    plain = concurrently(triton_server, [(p, dict(max_tokens=32, speculation_window=0)) for p in prompts])
     together = concurrently(triton_server, [(p, kwargs) for p in prompts])
-    assert [c.text for c in together] == [c.text for c in alone]
-    assert all(c.text and c.completion_tokens == 32 for c in alone)
-    assert all(c.draft_tokens > 0 for c in alone), [c.fallback_reason for c in alone]
+    assert [c.text for c in together] == [c.text for c in plain]
+    assert all(c.text and c.completion_tokens == 32 and c.draft_tokens == 0 for c in plain)
     # In the crowd the draft engine carries eight streams on two cores, so a
     # draft call can pass draft_timeout_seconds: that stream goes on with the
     # target alone (the overload protection), and its text must not change.

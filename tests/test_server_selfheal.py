@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from selfheal import stubs
 from tests.conftest import ServerAddress
-from tests.server_client import complete, http_status
+from tests.server_client import complete, concurrently, http_status
 from tools.soak import process_memory, process_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.kills_engines]
@@ -150,7 +150,8 @@ def _under_load(healing: HealingServer, victim: str, **request) -> tuple[list, f
 
 
 def test_a_killed_draft_costs_no_request_and_speculation_comes_back(healing):
-    plain = [complete(healing.address, p, max_tokens=TOKENS, speculation_window=0).text for p in PROMPTS]
+    plain = [c.text for c in concurrently(healing.address, [(p, dict(max_tokens=TOKENS, speculation_window=0))
+                                                             for p in PROMPTS])]
     before = complete(healing.address, PROMPTS[0], max_tokens=TOKENS, **DRAFTING)
     assert before.draft_tokens > 0
     tree = _tree(healing)

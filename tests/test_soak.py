@@ -127,17 +127,17 @@ def test_arguments_are_checked():
 
 @pytest.mark.slow
 def test_short_soak_against_the_real_server(triton_server, tmp_path, capsys):
-    """The `make test` version of the soak: 2 users for 45 s, short prompts (the full one: `make soak`)."""
+    """The `make test` version of the soak: 2 users for 30 s, short prompts (the full one: `make soak`)."""
     report_path = tmp_path / "soak.json"
-    argv = ["--url", triton_server.grpc_url, "--users", "2", "--duration", "45", "--max-tokens", "12",
-            "--prompts", "short", "--warmup-seconds", "15", "--sample-seconds", "3", "--progress-seconds", "15",
+    argv = ["--url", triton_server.grpc_url, "--users", "2", "--duration", "30", "--max-tokens", "12",
+            "--prompts", "short", "--warmup-seconds", "10", "--sample-seconds", "3", "--progress-seconds", "10",
             "--metrics-url", f"{triton_server.metrics_url}/metrics", "--json", str(report_path)]
     if triton_server.pid:
         argv += ["--pid", str(triton_server.pid)]
     code = soak.main(argv)
     report = json.loads(report_path.read_text())
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdec-soak: ")]
-    assert len(progress) >= 2 and "/45 s  completed " in progress[0], progress
+    assert len(progress) >= 2 and "/30 s  completed " in progress[0], progress
     print(soak.summary(report))
     assert report["errors"] == 0, report["error_examples"]
     assert report["completed"] + report["cancelled"] >= 4 and report["server_ready_after"]
