@@ -10,13 +10,18 @@ costmodel.load_bucket), each epoch runs one regime for all requests
 emitted together are averaged per (load bucket, regime). The regime of the
 next epoch at a load is the one measured faster; the other is tried again
 after ``explore_every`` epochs (or while it has fewer than two epochs
-measured), so a change of workload is noticed. A load with nothing measured
+measured), so a change of workload is noticed. Each try that loses again
+doubles the wait before the next, up to ``max_explore_every`` epochs, and a
+try that wins resets it: a tried regime that loses costs its epoch's
+throughput (speculating at a load where it serves half the tokens, one epoch
+in eleven costs about 5 %, one in 81 under 1 %). A load with nothing measured
 yet starts from plain decoding when a lower load has measured plain faster:
 what speculation gains shrinks as the batch grows (each added stream makes a
 plain forward cheaper per token, and its verification rows and draft calls
 take compute the others need), so the first epochs at the higher load are
-not spent re-learning the loss; speculation is still explored there every
-``explore_every`` epochs. Static schedules such as
+not spent re-learning the loss; that inherited verdict counts as one lost
+try, so speculation is first explored there after twice ``explore_every``
+epochs. Static schedules such as
 TensorRT-LLM's ``draft_len_schedule`` fix this per batch size in advance;
 this one is measured on the machine it runs on. A request decoding alone has
 no one to take from, and its own cost model sees every cost: one stream is
@@ -39,10 +44,13 @@ MIN_EPOCHS = 2  # epochs a regime is measured before the other can win against i
 class LoadGovernor:
     epoch_seconds: float = 10.0
     explore_every: int = 10
+    max_explore_every: int = 80
     clock: Callable[[], float] = time.monotonic
     rates: dict[tuple[int, str], MovingAverage] = field(default_factory=dict)
     regimes: dict[int, str] = field(default_factory=dict)  # the current regime per load bucket
     _since_explore: dict[int, int] = field(default_factory=dict)
+    _explore_interval: dict[int, int] = field(default_factory=dict)  # epochs between tries, per load bucket
+    _exploring: set[int] = field(default_factory=set)  # load buckets trying the regime measured slower
     _bucket: int | None = None
     _started: float = 0.0
     _tokens: int = 0
@@ -77,6 +85,7 @@ class LoadGovernor:
             self.regimes[bucket] = self._regime(bucket)
             if self.regimes[bucket] == PLAIN:  # inherited: speculation waits for its turn to explore
                 self._since_explore[bucket] = 0
+                self._explore_interval[bucket] = self._longer_interval(bucket)
         regime = self.regimes[bucket]
         self.rates.setdefault((bucket, regime), MovingAverage()).add(self._tokens / elapsed, weight=0.3)
         self.regimes[bucket] = self._next(bucket, regime)
@@ -103,12 +112,20 @@ class LoadGovernor:
         if theirs is None or theirs.samples < MIN_EPOCHS:
             return other
         best = regime if mine.value >= theirs.value else other
+        if bucket in self._exploring:  # this epoch tried the regime that was slower
+            self._exploring.discard(bucket)
+            self._explore_interval[bucket] = (self._longer_interval(bucket) if best == other
+                                              else self.explore_every)
         return self._count_towards_exploring(bucket, regime, other) if best == regime else best
+
+    def _longer_interval(self, bucket: int) -> int:
+        return min(2 * self._explore_interval.get(bucket, self.explore_every), self.max_explore_every)
 
     def _count_towards_exploring(self, bucket: int, regime: str, other: str) -> str:
         explored = self._since_explore.get(bucket, 0) + 1
         self._since_explore[bucket] = explored
-        if explored >= self.explore_every:
+        if explored >= self._explore_interval.get(bucket, self.explore_every):
             self._since_explore[bucket] = 0
+            self._exploring.add(bucket)
             return other
         return regime

@@ -28,16 +28,31 @@ def regimes_over(governor, clock, rates, streams, epochs):
     return seen
 
 
-def test_plain_decoding_wins_where_it_serves_more_tokens_and_speculation_is_retried_now_and_then():
+def test_plain_decoding_wins_where_it_serves_more_tokens_and_speculation_is_retried_ever_more_rarely():
     clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=5, clock=clock)
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=5, max_explore_every=20, clock=clock)
     governor.emitted(0, 8)  # the first epoch at 8 streams starts
-    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 11.0}, streams=8, epochs=16)
+    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 11.0}, streams=8, epochs=62)
     assert seen[:4] == [SPECULATE, SPECULATE, PLAIN, PLAIN]  # two epochs of each are measured first
-    # then plain; every fifth epoch won by plain is followed by one that tries speculation again
-    assert seen[4:8] == [PLAIN] * 4 and seen[8] == SPECULATE
-    assert seen[9:14] == [PLAIN] * 5 and seen[14] == SPECULATE
+    # then plain; speculation is tried again for one epoch after 5 epochs won by plain, and each try
+    # that loses doubles the wait (10, then 20, the most here)
+    tries = [epoch for epoch, regime in enumerate(seen) if regime == SPECULATE]
+    assert tries == [0, 1, 8, 19, 40, 61]
     assert abs(governor.rate(8, PLAIN) - 11.0) < 1e-9
+
+
+def test_a_try_that_wins_resets_the_wait_between_tries():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=3, max_explore_every=12, clock=clock)
+    governor.emitted(0, 8)
+    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 11.0}, streams=8, epochs=20)
+    assert [epoch for epoch, regime in enumerate(seen) if regime == SPECULATE] == [0, 1, 6, 13]
+    # the workload changes: speculation now serves more, and wins the next try
+    seen = regimes_over(governor, clock, {SPECULATE: 30.0, PLAIN: 11.0}, streams=8, epochs=40)
+    first_win = seen.index(SPECULATE)
+    assert seen[:first_win] == [PLAIN] * first_win and first_win <= 12  # the try was due within the longest wait
+    # speculating now, plain decoding is tried again after 3 epochs, not after the 12 plain had reached
+    assert seen[first_win:first_win + 5] == [SPECULATE] * 3 + [PLAIN, SPECULATE]
 
 
 def test_each_load_has_its_own_regime_and_speculation_keeps_winning_where_it_pays():
@@ -117,10 +132,11 @@ def test_a_higher_load_starts_plain_where_a_lower_one_measured_plain_faster_and_
     assert not governor.speculation_allowed(2)
     assert not governor.speculation_allowed(4) and not governor.speculation_allowed(8)  # inherited, nothing measured
     governor.emitted(0, 4)
-    seen = regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=10)
-    # plain (measured for two epochs, then four more until its turn to explore), then speculation is
-    # measured for two epochs and, faster here, wins
-    assert seen[:5] == [PLAIN] * 5 and seen[5:] == [SPECULATE] * 5
+    seen = regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=14)
+    # plain (measured for two epochs, then until its turn to explore: the inherited verdict counts as
+    # a lost try, so after twice explore_every), then speculation is measured for two epochs and,
+    # faster here, wins
+    assert seen[:9] == [PLAIN] * 9 and seen[9:] == [SPECULATE] * 5
 
 
 def test_a_higher_load_starts_speculating_where_the_lower_one_found_speculation_faster():
