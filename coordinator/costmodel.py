@@ -224,13 +224,15 @@ class CostModel:
 
     def draft_prefill_seconds(self, context: int, streams: int | None = None) -> float | None:
         """Seconds per token of the draft's catch-up at ``context`` tokens: this cell's, else the
-        nearest shorter context's at this load (attention grows with context, so that is a floor);
+        nearest shorter context's at this load (attention grows with context, so that is a floor),
+        else the same at the nearest lower load (more streams share the cores: a floor too, so
+        the first catch-ups at a new load are priced instead of paid for blind);
         None when nothing is measured."""
-        load = load_bucket(self.streams if streams is None else streams)
-        for bucket in range(context_bucket(context), -1, -1):
-            timings = self.cells.get((bucket, load))
-            if timings is not None and timings.draft_prefill.samples >= PREFILL_MIN_SAMPLES:
-                return timings.draft_prefill.value
+        for load in range(load_bucket(self.streams if streams is None else streams), -1, -1):
+            for bucket in range(context_bucket(context), -1, -1):
+                timings = self.cells.get((bucket, load))
+                if timings is not None and timings.draft_prefill.samples >= PREFILL_MIN_SAMPLES:
+                    return timings.draft_prefill.value
         return None
 
     def explore_prefill(self, context: int, streams: int | None = None) -> bool:

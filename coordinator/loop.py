@@ -189,7 +189,7 @@ async def speculative_decode(
 
         def wanted(done: int) -> bool:
             nonlocal draft_pays
-            if request_over:
+            if request_over or policy.held_back:  # the server measured plain decoding faster at this load
                 return False
             if done == 0 or policy.rest_of_catch_up_pays(tokens, tokens - done, max_new_tokens - produced,
                                                          (clock() - started) / done):

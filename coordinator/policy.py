@@ -208,11 +208,21 @@ class SpeculationPolicy:
         if per_token is None or saving is None:
             return True
         cost = per_token * context
-        if saving > cost or self.costs.explore_prefill(context):
+        if saving > cost * self._waiting() or self.costs.explore_prefill(context):
             return True
-        self.reason = (f"draft model not used: catching up on {context} tokens (~{cost:.1f} s) is predicted "
-                       f"to save less over the {remaining} tokens left (~{saving:.1f} s)")
+        self.reason = (f"draft model not used: catching up on {context} tokens (~{cost:.1f} s{self._shared(cost)}) "
+                       f"is predicted to save less over the {remaining} tokens left (~{saving:.1f} s)")
         return False
+
+    def _waiting(self) -> int:
+        """Requests whose decoding waits while the draft's catch-up runs: its
+        forwards take the cores (the GPU) that every stream's target step needs,
+        and the engines take turns, so each stream decoding pays its time."""
+        return max(1, self.costs.streams)
+
+    def _shared(self, cost: float) -> str:
+        waiting = self._waiting()
+        return f", waited out by the {waiting} requests decoding: ~{cost * waiting:.1f} s" if waiting > 1 else ""
 
     def rest_of_catch_up_pays(self, context: int, tokens_left: int, remaining: int, per_token: float) -> bool:
         """Whether a catch-up under way, ``tokens_left`` of its ``context`` tokens still to go,
@@ -223,10 +233,11 @@ class SpeculationPolicy:
         if saving is None:
             return True
         cost = per_token * tokens_left
-        if saving > cost:
+        if saving > cost * self._waiting():
             return True
         self.reason = (f"draft model not used: the rest of its catch-up on {context} tokens ({tokens_left} tokens, "
-                       f"~{cost:.1f} s) is predicted to save less over the {remaining} tokens left (~{saving:.1f} s)")
+                       f"~{cost:.1f} s{self._shared(cost)}) is predicted to save less over the {remaining} tokens "
+                       f"left (~{saving:.1f} s)")
         return False
 
     def _draft_model_saving(self, context: int, remaining: int) -> float | None:

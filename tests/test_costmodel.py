@@ -3,6 +3,7 @@ import math
 import pytest
 
 from coordinator.costmodel import (
+    PREFILL_MIN_SAMPLES,
     PRIOR_DRAFT_COST,
     PRIOR_VERIFY_COST,
     CostModel,
@@ -95,3 +96,17 @@ def test_server_acceptance_from_rounds():
     for _ in range(50):
         costs.observe_acceptance(3, rejected=True)  # 3 successes, 1 failure
     assert math.isclose(costs.server_acceptance(0.0), 0.75)
+
+
+def test_the_catch_up_price_at_a_load_with_none_measured_is_the_nearest_lower_loads():
+    """More streams share the cores, so a lower load's price is a floor; a lower
+    load never borrows a higher one's."""
+    costs = CostModel()
+    for _ in range(PREFILL_MIN_SAMPLES):
+        costs.observe_draft_prefill(100, 2.0, context=100, streams=2)
+    assert costs.draft_prefill_seconds(100, streams=8) == costs.draft_prefill_seconds(100, streams=2)
+    assert math.isclose(costs.draft_prefill_seconds(100, streams=2), 0.02)
+    assert costs.draft_prefill_seconds(100, streams=1) is None
+    for _ in range(PREFILL_MIN_SAMPLES):
+        costs.observe_draft_prefill(100, 5.0, context=100, streams=8)
+    assert math.isclose(costs.draft_prefill_seconds(100, streams=8), 0.05)  # its own, once measured

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel
+from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel, load_bucket
 from coordinator.drafters import CATCH_UP_CHUNK, CATCH_UP_FIRST, DRAFT_MODEL, catch_up_ends
 from coordinator.loop import (
     EngineError,
@@ -11,6 +11,7 @@ from coordinator.loop import (
     reached_end_by_count,
     speculative_decode,
 )
+from coordinator.governor import PLAIN, LoadGovernor
 from coordinator.policy import Mode, SpeculationPolicy
 from coordinator.sampling import SamplingParams, call_seed
 from tests.fakes import ToyEngine, noisy, toy_logits
@@ -393,8 +394,8 @@ def test_after_a_fallback_the_plain_rounds_until_the_next_probe_are_one_call():
     assert tokens_of(rounds) == tokens_of(plain)
 
 
-def costs_where_the_draft_prefill_costs(seconds_per_token, context):
-    costs = CostModel()
+def costs_where_the_draft_prefill_costs(seconds_per_token, context, streams=0):
+    costs = CostModel(streams=streams)
     for k in range(1, 5):
         costs.observe_draft(k, 0.02 * k, context=context)
         costs.observe_verify(k, 0.11, context=context)
@@ -428,6 +429,43 @@ def test_a_draft_catch_up_that_would_not_pay_is_skipped_and_the_request_says_so(
         # machine makes noisy: only the catch-up decision is asserted)
         assert draft.calls[0] == (1, 0) and sum(r.drafted for r in rounds) > 0
         assert not policy.reason.startswith("draft model not used")
+
+
+def test_a_catch_up_under_load_is_priced_by_the_time_every_stream_decoding_waits_for_it():
+    """The draft's catch-up forwards take the cores every stream's target step
+    needs (the engines take turns), so under load its time is paid once per
+    stream decoding, against what it saves the one request."""
+    for streams, pays in ((1, True), (8, False)):
+        costs = costs_where_the_draft_prefill_costs(1 / 600, 600, streams=streams)
+        policy = SpeculationPolicy(4, 0.3, costs=costs)
+        # predicted to save about 3.8 s over 100 tokens; the catch-up takes 1 s
+        assert policy.catch_up_pays(600, 100) is pays
+    assert policy.reason.startswith("draft model not used: catching up on 600 tokens (~1.0 s, waited out by "
+                                    "the 8 requests decoding: ~8.0 s) is predicted to save less")
+
+
+def test_a_catch_up_stops_once_the_server_holds_speculation_back_at_its_load():
+    """Its forwards take the cores the other streams need: once the load
+    governor measured plain decoding faster at this load, no further call."""
+    governor = LoadGovernor()
+
+    class Held(ToyEngine):
+        def __init__(self):
+            super().__init__()
+            self.lengths = []
+
+        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
+            self.lengths.append(len(input_ids))
+            governor.regimes[load_bucket(2)] = PLAIN  # the governor's verdict arrives during the first call
+            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
+
+    prompt = [1 + (i * 7) % 50 for i in range(6 * CATCH_UP_CHUNK)]
+    plain, _ = run(prompt, 40, ToyEngine(), ToyEngine(), window=0)
+    draft = Held()
+    policy = SpeculationPolicy(4, 0.3, costs=CostModel(streams=2), governor=governor)
+    rounds = run_stretched(prompt, 40, draft, ToyEngine(), policy)
+    assert tokens_of(rounds) == tokens_of(plain)
+    assert draft.lengths == [CATCH_UP_FIRST] and sum(r.drafted for r in rounds) == 0
 
 
 def test_the_draft_warm_up_is_timed_for_the_cost_model():
