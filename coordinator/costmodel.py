@@ -20,7 +20,9 @@ cell of (context bucket, load bucket), load being the requests decoding at
 the time; a decision reads the cell of the request's own context and the
 current load, and a cell with nothing measured starts from the priors, never
 from another cell's numbers: what ran before (2,000-token prompts, a burst of
-load) cannot make a short request under light load decide otherwise.
+load) cannot make a short request under light load decide otherwise. Only
+the draft's catch-up price borrows, and only a floor: a shorter context's or
+a lower load's.
 
 Each drafter (coordinator/drafters.py) is priced by its own measured cost c
 and its own server-wide acceptance: prompt lookup drafts for almost nothing,
