@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
 
 
 def instance_model(name: str) -> str | None:
@@ -41,6 +42,35 @@ def stub_pids(model: str, parent: int | None, proc: Path = Path("/proc")) -> set
         if model in names and stat[0] not in ("Z", "X"):
             found.add(int(entry.name))
     return found
+
+
+def shm_region(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """The name of the shared-memory region Triton made for this stub: the
+    stub's second argument (``<stub> <model.py> <region> <size> ...``; its
+    prefix is the backend's ``shm-region-prefix-name``). None when the process
+    is gone or is no stub."""
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if len(argv) < 3 or os.path.basename(argv[0].decode(errors="replace")) != STUB_BINARY:
+        return None
+    return argv[2].decode(errors="replace") or None
+
+
+def release_region(region: str, shm_dir: Path | None = None) -> bool:
+    """Remove a dead stub's region from ``shm_dir`` (/dev/shm). Triton 2.51 never
+    finishes unloading an instance whose stub died with calls in flight, so it
+    never removes the region, and the file would outlive tritonserver. Once
+    removed, its memory returns when the last mapping goes (tritonserver's, at
+    its exit). True when a file was removed."""
+    if not region or "/" in region or region in (".", ".."):
+        raise ValueError(f"not a shared-memory region's name: {region!r}")
+    try:
+        ((shm_dir or SHM_DIR) / region).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def alive(pid: int, proc: Path = Path("/proc")) -> bool:

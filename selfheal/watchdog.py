@@ -37,23 +37,40 @@ class Watcher:
         self.stop = stop
         self.gave_up = False
         self.pids: set[int] = set()
+        self.regions: dict[int, str] = {}  # stub pid -> its shared-memory region, read while it lives
         self.next_probe = 0.0
 
     def watch_stubs(self) -> None:
         if "stubs" in self.args.detect:
             self.pids = stubs.stub_pids(self.model, self.args.server_pid)
+            self.regions = {pid: region for pid in self.pids if (region := stubs.shm_region(pid))}
             if not self.pids:
                 say(f"{self.model}: no Python-backend stub process found; "
                     + ("checking it by probes only" if "probe" in self.args.detect else "it is NOT watched"))
 
     def check(self, now: float) -> tuple[bool, str]:
         dead = sorted(pid for pid in self.pids if not stubs.alive(pid))
+        if dead and self.replaced(dead):
+            say(f"{self.model}: Triton replaced its stub process {', '.join(map(str, dead))} "
+                f"(a reload through the model-repository API); watching {', '.join(map(str, sorted(self.pids)))}")
+            dead = []
         if dead:
             return False, f"its stub process {', '.join(map(str, dead))} exited"
         if "probe" in self.args.detect and now >= self.next_probe:
             self.next_probe = now + self.args.probe_interval
             return probe.probe(self.args.grpc_url, self.model, self.args.probe_timeout, self.args.seed_input)
         return True, ""
+
+    def replaced(self, dead: list[int]) -> bool:
+        """A stub that exited because Triton loaded the model again (someone
+        with the admin key reloaded it) has a live successor; a crashed one
+        has none, as Triton 2.51 never restarts a stub. Adopts the successors."""
+        successors = stubs.stub_pids(self.model, self.args.server_pid) - self.pids
+        if len(successors) < len(dead):
+            return False
+        self.pids = (self.pids - set(dead)) | successors
+        self.regions = {pid: region for pid in self.pids if (region := stubs.shm_region(pid))}
+        return True
 
     def run(self) -> None:
         try:
@@ -91,6 +108,7 @@ class Watcher:
         except Exception as error:  # noqa: BLE001 - refused, timed out, a config it could not read: all count
             say(f"{self.model}: reload failed after {time.monotonic() - started:.1f} s: {error}")
             return self.health.reloaded(False, str(error), time.monotonic())
+        self.release_dead_regions()
         next_action = self.health.reloaded(True, "", time.monotonic())
         self.pids = set()
         self.watch_stubs()
@@ -98,6 +116,20 @@ class Watcher:
         say(f"{self.model} is back: reloaded in {time.monotonic() - started:.1f} s, "
             f"{self.health.last_downtime:.1f} s after it was found down")
         return next_action
+
+    def release_dead_regions(self) -> None:
+        """The dead stubs' shared-memory regions, which Triton keeps mapped but
+        never removes: gone from /dev/shm, their memory returns when
+        tritonserver exits instead of staying until the host (or pod) does."""
+        for pid, region in self.regions.items():
+            if stubs.alive(pid):
+                continue
+            try:
+                if stubs.release_region(region):
+                    say(f"{self.model}: removed the dead stub's shared-memory region {region} "
+                        "(tritonserver still maps it until it exits)")
+            except (OSError, ValueError) as error:
+                say(f"{self.model}: could not remove the dead stub's region {region}: {error}")
 
 
 def parse_args(argv=None):

@@ -109,6 +109,22 @@ def test_stubs_are_found_by_instance_name_and_parent(tmp_path):
     assert stubs.alive(201, proc) and not stubs.alive(204, proc) and not stubs.alive(999, proc)
 
 
+def test_a_stubs_region_is_read_from_its_command_line(tmp_path):
+    proc = fake_proc(tmp_path, [(201, 100, "S", stub("target_0_0")), (205, 100, "S", ["/usr/bin/python3", "x"])])
+    assert stubs.shm_region(201, proc) == "triton_python_backend_shm_region_1"
+    assert stubs.shm_region(205, proc) is None and stubs.shm_region(999, proc) is None
+
+
+def test_only_a_region_in_the_shm_directory_is_ever_removed(tmp_path):
+    region = tmp_path / "triton_python_backend_shm_region_1"
+    region.write_bytes(b"x")
+    assert stubs.release_region(region.name, tmp_path) and not region.exists()
+    assert not stubs.release_region(region.name, tmp_path)  # already gone
+    for bad in ("", "..", "triton_python_backend_shm_region_1/../../etc"):
+        with pytest.raises(ValueError, match="not a shared-memory region's name"):
+            stubs.release_region(bad, tmp_path)
+
+
 def test_instance_names():
     assert stubs.instance_model("target_0_0") == "target"
     assert stubs.instance_model("tensorrt_llm_bls_0_3") == "tensorrt_llm_bls"
@@ -277,6 +293,53 @@ def test_the_stub_check_notices_an_exited_process(monkeypatch):
     child.kill()
     child.wait()
     assert watcher.check(1.0) == (False, f"its stub process {child.pid} exited")
+
+
+def test_a_reload_removes_the_dead_stubs_region_and_keeps_the_living_ones(monkeypatch, tmp_path, capsys):
+    dead, living = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+    regions = {dead.pid: "triton_python_backend_shm_region_dead", living.pid: "triton_python_backend_shm_region_live"}
+    for name in regions.values():
+        (tmp_path / name).write_bytes(b"\0" * 16)
+    monkeypatch.setattr(stubs, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(stubs, "stub_pids", lambda model, parent: set(regions))
+    monkeypatch.setattr(stubs, "shm_region", regions.get)
+    monkeypatch.setattr(triton_admin, "reload_in_place", lambda url, model, key, timeout: None)
+    try:
+        watcher = watchdog.Watcher("draft", watcher_args(detect=["stubs"]), "k" * 32, Settings(failures_to_act=1),
+                                   threading.Event())
+        watcher.watch_stubs()
+        dead.kill()
+        dead.wait()
+        action = watcher.health.checked(*watcher.check(0.0), 0.0)
+        assert isinstance(action, Reload)
+        watcher.reload(action)
+    finally:
+        living.kill()
+        living.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["triton_python_backend_shm_region_live"]
+    assert "removed the dead stub's shared-memory region triton_python_backend_shm_region_dead" in capsys.readouterr().err
+
+
+def test_a_stub_that_triton_replaced_is_no_crash(monkeypatch, capsys):
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+    live = {old.pid}
+    monkeypatch.setattr(stubs, "stub_pids", lambda model, parent: {p for p in live if stubs.alive(p)})
+    try:
+        watcher = watchdog.Watcher("draft", watcher_args(detect=["stubs"]), "k" * 32, Settings(), threading.Event())
+        watcher.watch_stubs()
+        live.add(new.pid)  # a reload by someone else: Triton starts the new instance's stub,
+        old.kill()  # swaps the instances, and the old stub exits
+        old.wait()
+        assert watcher.check(0.0) == (True, "")
+        assert watcher.pids == {new.pid}
+        assert f"Triton replaced its stub process {old.pid}" in capsys.readouterr().err
+        new.kill()  # then that one crashes: nothing replaces it
+        new.wait()
+        assert watcher.check(1.0) == (False, f"its stub process {new.pid} exited")
+    finally:
+        for child in (old, new):
+            child.kill()
+            child.wait()
 
 
 def test_the_watchdog_needs_the_admin_key_and_takes_it_out_of_its_environment(monkeypatch, capsys):
