@@ -113,6 +113,17 @@ done
 # watchdog exits when reloading an engine did not keep it up, so the container
 # restarts whole.
 children=()
+
+# The Python-backend stubs' regions in /dev/shm (prefix specdec_trtllm_, below): Triton
+# removes them when it unloads a model, not when it exits on its exit timeout
+# (after an engine crash it waits for calls that will never be answered). The
+# pod's /dev/shm volume outlives the container, so a restart would inherit them;
+# nothing else in this pod uses the prefix.
+remove_shm_regions() {
+    rm -f /dev/shm/specdec_trtllm_*
+}
+remove_shm_regions
+
 stop_children() {
     local pid
     for pid in "${children[@]}"; do
@@ -136,7 +147,7 @@ mpirun --allow-run-as-root -n 1 \
     --pinned-memory-pool-byte-size=0 \
     --enable-peer-access=false \
     "${cuda_pools[@]}" \
-    --backend-config=python,shm-region-prefix-name=specdec_ \
+    --backend-config=python,shm-region-prefix-name=specdec_trtllm_ \
     "$@" &
 children+=("$!")
 
@@ -165,4 +176,5 @@ status=0
 wait -n || status=$?
 stop_children
 wait || true
+remove_shm_regions
 exit "${status}"

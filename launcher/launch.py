@@ -20,7 +20,7 @@ from pathlib import Path
 
 import coordinator
 from cpu_engine.turns import TURNS_VARIABLE
-from launcher import assets, engine_watchdog, openai_frontend, tritonserver
+from launcher import assets, engine_watchdog, openai_frontend, shm_regions, tritonserver
 from selfheal import exposition, readiness
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
@@ -103,6 +103,8 @@ class ServerOptions:
     # start unless given (SPECDEC_ADMIN_KEY). Never printed or logged.
     admin_key: str = field(default_factory=new_admin_key, repr=False)
     admin_key_from_env: bool = False
+    # Names this server's Python-backend regions in /dev/shm (launcher/shm_regions.py).
+    shm_region_prefix: str = field(default_factory=lambda: shm_regions.prefix(os.getpid()))
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ def server_command(options: ServerOptions, install: tritonserver.TritonInstall) 
         f"--grpc-port={options.grpc_port}",
         f"--metrics-port={options.metrics_port}",
         f"--log-verbose={options.log_verbose}",
+        shm_regions.backend_arg(options.shm_region_prefix),
         *options.triton_args,
     ]
 
@@ -241,8 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     except (AdminKeyError, assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound) as error:
         print(f"specdec-serve: {error}", file=sys.stderr)
         return 2
+    orphans = shm_regions.remove_orphans(os.getpid())
+    if orphans:
+        print(f"specdec: removed {len(orphans)} shared-memory regions that stopped servers left in "
+              f"{shm_regions.SHM_DIR}", flush=True)
     print(f"specdec: starting tritonserver (target {pair.target_dir.name}, draft {pair.draft_dir.name})", flush=True)
     process = start(options, pair)
+    try:
+        return _serve(options, pair, process)
+    finally:
+        if process.poll() is not None:  # its regions are nobody's now, even if it exited on its exit timeout
+            shm_regions.remove(options.shm_region_prefix)
+
+
+def _serve(options: ServerOptions, pair: PreparedPair, process: subprocess.Popen) -> int:
     children = [process]
     stopping = False
 

@@ -141,6 +141,11 @@ def specdec_serve(env: dict[str, str], log_path: Path, timeout: float = 900):
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+        else:  # stopped as a supervisor stops it: nothing of it is left in /dev/shm, killed engines or not
+            from launcher import shm_regions
+
+            left = sorted(p.name for p in shm_regions.SHM_DIR.glob(f"{shm_regions.prefix(launcher.pid)}*"))
+            assert not left, f"specdec-serve left its shared-memory regions in {shm_regions.SHM_DIR}: {left}"
 
 
 @pytest.fixture(scope="session")
