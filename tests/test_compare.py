@@ -226,3 +226,10 @@ def test_a_one_stream_request_is_timed_until_the_engines_are_idle_again():
 
     assert not wait_until_idle("http://metrics", running_calls=unreadable)
     assert not wait_until_idle("http://metrics", timeout=0.0, poll=0.0, running_calls=lambda: {"draft": 1})
+
+
+def test_no_serving_overhead_line_without_the_in_process_engine():
+    with_engine = format_table(summarise([measurement(ENGINE, 5.0), measurement("server plain", 4.0)], []))
+    assert "serving overhead (in-process engine" in with_engine and "150-token prompts +25.0%" in with_engine
+    skipped_peers = format_table(summarise([measurement("server plain", 4.0)], []))
+    assert "serving overhead" not in skipped_peers

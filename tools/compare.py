@@ -420,8 +420,10 @@ def format_table(summary: dict) -> str:
             f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
             f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
             f"{_fmt(r['acceptance'])} |")
-    notes = ["serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
-             + ", ".join(f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead"].items())]
+    notes = []
+    if summary["serving_overhead"]:  # not measured when the in-process peers were skipped
+        notes.append("serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
+                     + ", ".join(f"{k}-token prompts {v:+.1%}" for k, v in summary["serving_overhead"].items()))
     if summary.get("serving_overhead_net_of_steal"):
         notes.append("the same over the wall clock less the CPU time the hypervisor stole (on a shared host the "
                      "runs meet different neighbours): " + ", ".join(
