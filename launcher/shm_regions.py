@@ -16,7 +16,8 @@ import os
 import re
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
+from selfheal.stubs import SHM_DIR
+
 _NAME = re.compile(r"specdec_(\d+)_")
 
 
