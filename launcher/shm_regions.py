@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from selfheal.stubs import SHM_DIR
+from selfheal.stubs import SHM_DIR, alive
 
 _NAME = re.compile(r"specdec_(\d+)_")
 
@@ -28,16 +28,6 @@ def prefix(launcher_pid: int) -> str:
 
 def backend_arg(region_prefix: str) -> str:
     return f"--backend-config=python,shm-region-prefix-name={region_prefix}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 def remove(region_prefix: str, shm_dir: Path | None = None) -> list[str]:
@@ -63,7 +53,7 @@ def remove_orphans(own_pid: int, shm_dir: Path | None = None) -> list[str]:
             continue
         pid = int(match.group(1))
         try:
-            if path.stat().st_uid != os.getuid() or (pid != own_pid and _alive(pid)):
+            if path.stat().st_uid != os.getuid() or (pid != own_pid and alive(pid)):
                 continue
             path.unlink()
         except OSError:

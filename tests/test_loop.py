@@ -287,6 +287,21 @@ class FakeClock:
         return self.now
 
 
+class RecordingEngine(ToyEngine):
+    """Records each call's input length, and awaits ``before_call()`` (if any)
+    before answering: a call that takes time, or that something happens during."""
+
+    def __init__(self, before_call=None):
+        super().__init__()
+        self.lengths, self.before_call = [], before_call
+
+    async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
+        self.lengths.append(len(input_ids))
+        if self.before_call is not None:
+            await self.before_call()
+        return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
+
+
 class TimedEngine(ToyEngine):
     def __init__(self, clock, fixed, per_token, logits_fn=toy_logits):
         super().__init__(logits_fn)
@@ -449,19 +464,12 @@ def test_a_catch_up_stops_once_the_server_holds_speculation_back_at_its_load():
     governor measured plain decoding faster at this load, no further call."""
     governor = LoadGovernor()
 
-    class Held(ToyEngine):
-        def __init__(self):
-            super().__init__()
-            self.lengths = []
-
-        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
-            self.lengths.append(len(input_ids))
-            governor.regimes[load_bucket(2)] = PLAIN  # the governor's verdict arrives during the first call
-            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
+    async def verdict():  # the governor's verdict arrives during the first call
+        governor.regimes[load_bucket(2)] = PLAIN
 
     prompt = [1 + (i * 7) % 50 for i in range(6 * CATCH_UP_CHUNK)]
     plain, _ = run(prompt, 40, ToyEngine(), ToyEngine(), window=0)
-    draft = Held()
+    draft = RecordingEngine(verdict)
     policy = SpeculationPolicy(4, 0.3, costs=CostModel(streams=2), governor=governor)
     rounds = run_stretched(prompt, 40, draft, ToyEngine(), policy)
     assert tokens_of(rounds) == tokens_of(plain)
@@ -493,18 +501,8 @@ def test_a_refused_catch_up_is_measured_again_every_few_requests():
 def test_a_request_that_ends_before_its_draft_caught_up_issues_no_further_catch_up_call():
     """Triton cannot cancel an engine call, so the catch-up goes in chunks and a
     finished request starts no new one: at most the call in flight runs on."""
-    class SlowDraft(ToyEngine):
-        def __init__(self):
-            super().__init__()
-            self.lengths = []
-
-        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
-            self.lengths.append(len(input_ids))
-            await asyncio.sleep(0.05)  # a chunk of the prompt's prefill
-            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
-
     prompt = [1 + (i * 7) % 50 for i in range(6 * CATCH_UP_CHUNK)]
-    draft, costs = SlowDraft(), CostModel()
+    draft, costs = RecordingEngine(lambda: asyncio.sleep(0.05)), CostModel()  # a chunk of the prompt's prefill
 
     async def request_then_wait():
         rounds = [r async for r in speculative_decode(
@@ -526,18 +524,16 @@ def test_a_catch_up_whose_own_calls_show_it_will_not_pay_stops_and_the_request_d
     """A fresh server has no price for a long prompt's catch-up, so the first
     requests catch up to measure it; the request's own first call already tells
     what the rest would cost, and a rest that cannot pay over the tokens left stops."""
-    class Clocked(ToyEngine):
+    class Clocked(RecordingEngine):
         """Every call costs ``seconds`` on the fake clock; streamed plain tokens 0.1 s each."""
 
         def __init__(self, clock, seconds):
-            super().__init__()
-            self.clock, self.seconds, self.lengths = clock, seconds, []
+            super().__init__(self._spend)
+            self.clock, self.seconds = clock, seconds
 
-        async def generate(self, input_ids, max_new_tokens, sampling, *args, **kwargs):
-            self.lengths.append(len(input_ids))
+        async def _spend(self):
             await asyncio.sleep(0)
             self.clock.now += self.seconds
-            return await super().generate(input_ids, max_new_tokens, sampling, *args, **kwargs)
 
         async def stream(self, input_ids, max_new_tokens, sampling):
             self.streamed.append(max_new_tokens)

@@ -121,9 +121,9 @@ def _memory(healing: HealingServer) -> tuple[int, int, int]:
     RSS in KiB of every process under specdec-serve together)."""
     tree = _tree(healing)
     for pid, name in tree.items():
-        if stubs.instance_model(name):
-            healing.regions.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode())
-    paths = [Path("/dev/shm") / region for region in healing.regions]
+        if stubs.instance_model(name) and (region := stubs.shm_region(pid)):
+            healing.regions.add(region)
+    paths = [stubs.SHM_DIR / region for region in healing.regions]
     everything = sum((process_memory(pid) or ("", 0))[1] for pid in tree)
     return process_memory(healing.server_pid)[1], sum(p.stat().st_size for p in paths if p.exists()), everything
 
