@@ -112,14 +112,21 @@ async def generate_text(
         draft_distribution=request.draft_distribution,
     )
     costs.streams += 1  # the load the cost model plans for
+    prefilling = governor is not None  # until the first round: the prompt's prefill
+    if prefilling:
+        governor.prefill_started()
     try:
         async with aclosing(rounds):
             async for round_ in rounds:
                 stats.add(round_)
                 if log_probs is not None:
                     log_probs += round_.log_probs or ()
-                if policy.governor is not None:
-                    policy.governor.emitted(len(round_.tokens), costs.streams)
+                if prefilling:
+                    prefilling = False
+                    governor.prefill_ended()
+                elif policy.governor is not None:
+                    policy.governor.emitted(len(round_.tokens), costs.streams,
+                                            round_.draft_seconds + round_.target_seconds)
                 stats.fallback_reason = policy.reason
                 if metrics is not None:
                     metrics.round(round_)
@@ -133,6 +140,8 @@ async def generate_text(
                     yield Chunk(delta, False, stats)
     finally:
         costs.streams -= 1
+        if prefilling:  # the request ended before its first token
+            governor.prefill_ended()
     yield Chunk(text.append([], final=True), True, stats, log_probs)  # budget of 0 rounds cannot happen; kept for safety
 
 

@@ -21,20 +21,25 @@ plain forward cheaper per token, and its verification rows and draft calls
 take compute the others need), so the first epochs at the higher load are
 not spent re-learning the loss; that inherited verdict counts as one lost
 try, so speculation is first explored there after twice ``explore_every``
-epochs. Static schedules such as
-TensorRT-LLM's ``draft_len_schedule`` fix this per batch size in advance;
-this one is measured on the machine it runs on. A request decoding alone has
+epochs. An epoch's clock stops while a prompt's prefill runs (from a
+request's arrival to its first token): a prefill decodes nothing whatever
+the regime, so counted it would decide by which epochs the arrivals land
+in. Static schedules such as TensorRT-LLM's ``draft_len_schedule`` fix this
+per batch size in advance; this one is measured on the machine it runs on. A request decoding alone has
 no one to take from, and its own cost model sees every cost: one stream is
 not governed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.costmodel import MovingAverage, load_bucket
+from coordinator.costmodel import MovingAverage, load_bucket, load_label
+
+log = logging.getLogger(__name__)
 
 SPECULATE, PLAIN = "speculate", "plain"
 MIN_EPOCHS = 2  # epochs a regime is measured before the other can win against it
@@ -52,8 +57,11 @@ class LoadGovernor:
     _explore_interval: dict[int, int] = field(default_factory=dict)  # epochs between tries, per load bucket
     _exploring: set[int] = field(default_factory=set)  # load buckets trying the regime measured slower
     _bucket: int | None = None
-    _started: float = 0.0
-    _tokens: int = 0
+    _counted: float = 0.0  # seconds of the epoch so far with no prompt prefill running
+    _resumed: float | None = None  # when the epoch's clock last (re)started; None while a prefill pauses it
+    _cut: float = 0.0  # when the clock last resumed after a pause or a change of load
+    _prefills: int = 0  # prompt prefills running
+    _tokens: float = 0.0
 
     def speculation_allowed(self, streams: int) -> bool:
         return self._regime(load_bucket(streams)) == SPECULATE
@@ -69,16 +77,43 @@ class LoadGovernor:
         return (plain is not None and speculate is not None and min(plain.samples, speculate.samples) >= MIN_EPOCHS
                 and plain.value > speculate.value)
 
-    def emitted(self, tokens: int, streams: int) -> None:
-        """``tokens`` were emitted by one request while ``streams`` requests were decoding."""
+    def prefill_started(self) -> None:
+        """A request arrived: its prompt's prefill runs until its first token.
+        The epoch's clock stops meanwhile (prefill_ended): a prefill serves no
+        decoded token for seconds whatever the regime, and which epochs it
+        lands in is chance (one 4-stream epoch that began with four prefills
+        read 3.5 tokens/s, its neighbours 9.3), so epochs compare the regimes'
+        decoding, the draft's catch-up on a prompt included, not the luck of
+        the arrivals."""
+        self._pause()
+        self._prefills += 1
+
+    def prefill_ended(self) -> None:
+        """The prefill of a request's prompt ended (its first token, or the request ended first)."""
+        self._prefills = max(0, self._prefills - 1)
+        if self._prefills == 0 and self._resumed is None:
+            self._resumed = self._cut = self.clock()
+
+    def _pause(self) -> None:
+        if self._resumed is not None:
+            self._counted += self.clock() - self._resumed
+            self._resumed = None
+
+    def emitted(self, tokens: int, streams: int, seconds: float = 0.0) -> None:
+        """``tokens`` were emitted by one request's decoding step that took ``seconds``,
+        while ``streams`` requests were running (a request's first token belongs to
+        its prefill: prefill_ended, not here)."""
         now = self.clock()
         bucket = load_bucket(streams) if streams > 1 else None  # one stream: not governed
         if bucket != self._bucket:  # the load changed: a partial epoch measures nothing
-            self._bucket, self._started, self._tokens = bucket, now, 0
-        if bucket is None:
+            self._bucket, self._counted, self._tokens = bucket, 0.0, 0.0
+            self._resumed = self._cut = now if self._prefills == 0 else None
+        if bucket is None or self._resumed is None:  # not governed, or a prefill stops the clock
             return
-        self._tokens += tokens
-        elapsed = now - self._started
+        since_cut = now - self._cut
+        # a step that began before the clock resumed counts for its share after
+        self._tokens += tokens if seconds <= since_cut else tokens * since_cut / seconds
+        elapsed = self._counted + now - self._resumed
         if elapsed < self.epoch_seconds:
             return
         if bucket not in self.regimes:
@@ -87,16 +122,25 @@ class LoadGovernor:
                 self._since_explore[bucket] = 0
                 self._explore_interval[bucket] = self._longer_interval(bucket)
         regime = self.regimes[bucket]
-        self.rates.setdefault((bucket, regime), MovingAverage()).add(self._tokens / elapsed, weight=0.3)
+        rate = self._tokens / elapsed
+        self.rates.setdefault((bucket, regime), MovingAverage()).add(rate, weight=0.3)
         self.regimes[bucket] = self._next(bucket, regime)
-        self._started, self._tokens = now, 0
+        log.log(logging.INFO if self.regimes[bucket] != regime else logging.DEBUG,
+                "load %s: a %s epoch served %.2f tokens/s (%s); next epoch: %s", load_label(bucket), regime,
+                rate, self._summary(bucket), self.regimes[bucket])
+        self._counted, self._resumed, self._tokens = 0.0, now, 0.0
+
+    def _summary(self, bucket: int) -> str:
+        averages = ((regime, self.rates.get((bucket, regime))) for regime in (SPECULATE, PLAIN))
+        return ", ".join(f"{regime} {average.value:.2f} over {average.samples} epochs"
+                         for regime, average in averages if average is not None)
 
     def disrupted(self) -> None:
         """An engine failed: the epoch in progress measures the outage, not its
         regime (a target down for a 40 s reload once counted as a speculative
         epoch of almost no tokens, and plain decoding won that load until
         speculation was explored again). The next epoch starts afresh."""
-        self._bucket, self._tokens = None, 0
+        self._bucket, self._counted, self._tokens = None, 0.0, 0.0
 
     def rate(self, streams: int, regime: str) -> float | None:
         average = self.rates.get((load_bucket(streams), regime))

@@ -223,6 +223,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        _log_to_stderr()
         self.settings = CoordinatorSettings.from_parameters(parameters)
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         seed_input = self.settings.engine_seed_input
@@ -328,3 +329,16 @@ def _response(text: str, final: Chunk | None):
             tensors += [pb_utils.Tensor("output_log_probs", values),
                         pb_utils.Tensor("cum_log_probs", np.array([values.sum()], dtype=np.float32))]
     return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _log_to_stderr() -> None:
+    """The coordinator's INFO lines (readiness, the load governor's switches,
+    late draft failures) into the stub's stderr, which Triton's log carries;
+    without a handler Python would drop everything below WARNING."""
+    logger = logging.getLogger("coordinator")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # a root handler of the stub's, if any, would print each line again

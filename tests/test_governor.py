@@ -145,3 +145,67 @@ def test_a_higher_load_starts_speculating_where_the_lower_one_found_speculation_
     governor.emitted(0, 2)
     regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=2, epochs=6)
     assert governor.speculation_allowed(4)
+
+
+def test_a_prompt_prefill_stops_the_epochs_clock_and_its_time_is_not_charged_to_the_regime():
+    """Four requests arriving together prefill for seconds with no token decoded: an
+    epoch that began with them read 3.5 tokens/s against its neighbours' 9.3 on a
+    2-core machine, whatever its regime. The epoch counts decoding time only."""
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 4)
+    for _ in range(4):
+        governor.prefill_started()
+    clock.now += 6.0  # the four prefills; the running streams (none yet) decode nothing
+    for _ in range(4):
+        governor.prefill_ended()
+    run_epoch(governor, clock, 8.0, streams=4, seconds=9)
+    assert governor.rates == {}  # 9 s counted: the prefill's 6 s were not
+    run_epoch(governor, clock, 8.0, streams=4, seconds=1)
+    assert abs(governor.rate(4, SPECULATE) - 8.0) < 1e-9
+
+
+def test_tokens_decoded_while_another_request_prefills_are_not_counted():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 2)
+    run_epoch(governor, clock, 6.0, streams=2, seconds=4)
+    governor.prefill_started()  # a request arrives while another decodes
+    run_epoch(governor, clock, 1.0, streams=2, seconds=5)  # slowed down by the prefill: not counted
+    governor.prefill_ended()
+    run_epoch(governor, clock, 6.0, streams=2, seconds=6)
+    assert abs(governor.rate(2, SPECULATE) - 6.0) < 1e-9
+
+
+def test_a_step_that_began_during_a_prefill_counts_for_its_share_after_it():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 2)
+    governor.prefill_started()
+    clock.now += 3.0
+    governor.prefill_ended()
+    clock.now += 1.0
+    governor.emitted(8, 2, seconds=4.0)  # a speculative round of 4 s, 1 s of it after the prefill: 2 tokens
+    clock.now += 9.0
+    governor.emitted(18, 2, seconds=9.0)
+    assert abs(governor.rate(2, SPECULATE) - 2.0) < 1e-9  # (2 + 18) tokens over 10 s
+
+
+def test_the_regimes_are_compared_on_decoding_whatever_epochs_the_arrivals_land_in():
+    """Plain decoding serves 6 tokens/s here and speculation 5, and new requests
+    arrive (a 4 s prefill each, nothing decoded meanwhile) at the start of the
+    epochs that happen to be plain: counted, those would make speculation win."""
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=10, clock=clock)
+    governor.emitted(0, 2)
+    seen = []
+    for _ in range(12):
+        regime = SPECULATE if governor.speculation_allowed(2) else PLAIN
+        seen.append(regime)
+        if regime == PLAIN:
+            governor.prefill_started()
+            clock.now += 4.0
+            governor.prefill_ended()
+        run_epoch(governor, clock, {SPECULATE: 5.0, PLAIN: 6.0}[regime], streams=2)
+    assert seen[:4] == [SPECULATE, SPECULATE, PLAIN, PLAIN] and seen[4:] == [PLAIN] * 8
+    assert abs(governor.rate(2, PLAIN) - 6.0) < 1e-9

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from coordinator.config import CoordinatorSettings
 from coordinator.generation import RequestCancelled, generate_text
+from coordinator.governor import LoadGovernor
 from coordinator.loop import speculative_decode
 from coordinator.metrics import DRAFT_FAILURES, REQUESTS, MetricsRecorder
 from coordinator.policy import Mode, SpeculationPolicy
@@ -195,3 +196,42 @@ def test_draft_timeout_is_counted_as_a_draft_failure_in_the_metrics():
     assert "did not answer within 0.02 s" in chunks[-1].stats.fallback_reason
     assert instruments[DRAFT_FAILURES].total == 1
     assert instruments[REQUESTS["success"]].total == 1
+
+
+def test_the_load_governors_clock_stops_for_a_prompts_prefill_and_starts_again_however_the_request_ends():
+    """The first round carries the prompt's prefill: the governor's epoch clock
+    stops from the request's arrival to its first token, and starts again
+    when a request fails before that token too (else it would stay stopped)."""
+    governor = LoadGovernor()
+    seen = []
+
+    class Watched(ToyEngine):
+        """Notes whether a prefill is running as each call starts (a stream runs through generate)."""
+
+        streaming = False
+
+        async def generate(self, *args, **kwargs):
+            if not self.streaming:
+                seen.append(governor._prefills)
+            return await super().generate(*args, **kwargs)
+
+        async def stream(self, *args, **kwargs):
+            seen.append(governor._prefills)
+            self.streaming = True
+            try:
+                async for chunk in super().stream(*args, **kwargs):
+                    yield chunk
+            finally:
+                self.streaming = False
+
+    async def collect(target):
+        return [c async for c in generate_text(request(max_tokens=6), tiny_codec(), draft=ToyEngine(small_vocab_logits),
+                                               target=target, settings=CoordinatorSettings(), governor=governor)]
+
+    asyncio.run(collect(Watched(small_vocab_logits)))
+    assert seen[0] == 1 and set(seen[1:]) == {0} and len(seen) > 1  # prefilling during the first call only
+    failing = Watched(small_vocab_logits)
+    failing.fail_with = RuntimeError("target: stub process is not healthy")
+    with pytest.raises(RuntimeError):
+        asyncio.run(collect(failing))
+    assert governor._prefills == 0 and governor._resumed is not None
