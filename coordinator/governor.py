@@ -15,8 +15,9 @@ doubles the wait before the next, up to ``max_explore_every`` epochs, and a
 try that wins resets it: a tried regime that loses costs its epoch's
 throughput (speculating at a load where it serves half the tokens, one epoch
 in eleven costs about 5 %, one in 81 under 1 %). A load with nothing measured
-yet starts from plain decoding when a lower load has measured plain faster:
-what speculation gains shrinks as the batch grows (each added stream makes a
+yet starts from plain decoding when the nearest lower load that measured
+both regimes found plain faster: what speculation gains shrinks as the
+batch grows (each added stream makes a
 plain forward cheaper per token, and its verification rows and draft calls
 take compute the others need), so the first epochs at the higher load are
 not spent re-learning the loss; that inherited verdict counts as one lost
@@ -69,13 +70,19 @@ class LoadGovernor:
     def _regime(self, bucket: int) -> str:
         if bucket in self.regimes:
             return self.regimes[bucket]
-        lower = [b for b in self.regimes if b < bucket]
-        return PLAIN if lower and self.regimes[max(lower)] == PLAIN and self._measured_plain(max(lower)) else SPECULATE
+        # the verdict of the nearest lower load that measured both regimes (one that
+        # only inherited its plain start has no verdict of its own)
+        for lower in range(bucket - 1, -1, -1):
+            verdict = self._measured_faster(lower)
+            if verdict is not None:
+                return verdict
+        return SPECULATE
 
-    def _measured_plain(self, bucket: int) -> bool:
+    def _measured_faster(self, bucket: int) -> str | None:
         plain, speculate = self.rates.get((bucket, PLAIN)), self.rates.get((bucket, SPECULATE))
-        return (plain is not None and speculate is not None and min(plain.samples, speculate.samples) >= MIN_EPOCHS
-                and plain.value > speculate.value)
+        if plain is None or speculate is None or min(plain.samples, speculate.samples) < MIN_EPOCHS:
+            return None
+        return PLAIN if plain.value > speculate.value else SPECULATE
 
     def prefill_started(self) -> None:
         """A request arrived: its prompt's prefill runs until its first token.

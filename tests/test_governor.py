@@ -209,3 +209,26 @@ def test_the_regimes_are_compared_on_decoding_whatever_epochs_the_arrivals_land_
         run_epoch(governor, clock, {SPECULATE: 5.0, PLAIN: 6.0}[regime], streams=2)
     assert seen[:4] == [SPECULATE, SPECULATE, PLAIN, PLAIN] and seen[4:] == [PLAIN] * 8
     assert abs(governor.rate(2, PLAIN) - 6.0) < 1e-9
+
+
+def test_a_plain_start_inherited_through_a_load_that_has_not_explored_yet():
+    """2 streams measured plain faster; 3-4 streams started plain on that and has
+    not tried speculation yet; 5-8 streams, next, starts plain too (it started
+    speculating, and its first epochs re-learned the loss)."""
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
+    governor.emitted(0, 2)
+    regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
+    governor.emitted(0, 4)
+    assert regimes_over(governor, clock, {SPECULATE: 8.0, PLAIN: 10.0}, streams=4, epochs=3) == [PLAIN] * 3
+    assert not governor.speculation_allowed(8)
+
+
+def test_the_nearest_load_that_measured_both_regimes_decides_a_new_loads_start():
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=2, clock=clock)
+    governor.emitted(0, 2)
+    regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
+    governor.emitted(0, 4)
+    regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=12)  # speculation wins at 4
+    assert governor.speculation_allowed(8)
