@@ -13,6 +13,14 @@ class Clock:
         return self.now
 
 
+def governed(streams, **settings):
+    """A governor on a fake clock whose first epoch at ``streams`` requests has started."""
+    clock = Clock()
+    governor = LoadGovernor(epoch_seconds=10.0, clock=clock, **settings)
+    governor.emitted(0, streams)
+    return clock, governor
+
+
 def run_epoch(governor, clock, tokens_per_second, streams, seconds=10.0):
     """One epoch of ``seconds`` at ``streams`` requests emitting ``tokens_per_second`` together."""
     for _ in range(int(seconds)):
@@ -42,9 +50,7 @@ def test_plain_decoding_wins_where_it_serves_more_tokens_and_speculation_is_retr
 
 
 def test_a_try_that_wins_resets_the_wait_between_tries():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=3, max_explore_every=12, clock=clock)
-    governor.emitted(0, 8)
+    clock, governor = governed(8, explore_every=3, max_explore_every=12)
     seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 11.0}, streams=8, epochs=20)
     assert [epoch for epoch, regime in enumerate(seen) if regime == SPECULATE] == [0, 1, 6, 13]
     # the workload changes: speculation now serves more, and wins the next try
@@ -56,18 +62,14 @@ def test_a_try_that_wins_resets_the_wait_between_tries():
 
 
 def test_each_load_has_its_own_regime_and_speculation_keeps_winning_where_it_pays():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=4, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2, explore_every=4)
     seen = regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=2, epochs=10)
     assert seen.count(SPECULATE) >= 7 and seen[4:7] == [SPECULATE] * 3
     assert governor.speculation_allowed(8)  # nothing measured at 8 streams: speculation is the default
 
 
 def test_one_stream_is_not_governed():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 1)
+    clock, governor = governed(1)
     regimes_over(governor, clock, {SPECULATE: 1.0, PLAIN: 9.0}, streams=1, epochs=6)
     assert governor.rates == {} and governor.speculation_allowed(1)
 
@@ -85,9 +87,7 @@ def test_an_epoch_with_an_engine_failure_measures_nothing():
     """A target reloading for 40 s under two streams: the epoch that spans the
     outage would record a speculative rate of almost nothing, and plain decoding
     would win that load until speculation is explored again."""
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2)
     run_epoch(governor, clock, 7.0, streams=2, seconds=4)  # speculating when the engine dies
     governor.disrupted()
     clock.now += 40.0  # the reload: nothing emitted
@@ -125,9 +125,7 @@ def governor_bucket(streams):
 
 
 def test_a_higher_load_starts_plain_where_a_lower_one_measured_plain_faster_and_still_explores():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=4, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2, explore_every=4)
     regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
     assert not governor.speculation_allowed(2)
     assert not governor.speculation_allowed(4) and not governor.speculation_allowed(8)  # inherited, nothing measured
@@ -140,9 +138,7 @@ def test_a_higher_load_starts_plain_where_a_lower_one_measured_plain_faster_and_
 
 
 def test_a_higher_load_starts_speculating_where_the_lower_one_found_speculation_faster():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2)
     regimes_over(governor, clock, {SPECULATE: 7.0, PLAIN: 5.0}, streams=2, epochs=6)
     assert governor.speculation_allowed(4)
 
@@ -151,9 +147,7 @@ def test_a_prompt_prefill_stops_the_epochs_clock_and_its_time_is_not_charged_to_
     """Four requests arriving together prefill for seconds with no token decoded: an
     epoch that began with them read 3.5 tokens/s against its neighbours' 9.3 on a
     2-core machine, whatever its regime. The epoch counts decoding time only."""
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 4)
+    clock, governor = governed(4)
     for _ in range(4):
         governor.prefill_started()
     clock.now += 6.0  # the four prefills; the running streams (none yet) decode nothing
@@ -166,9 +160,7 @@ def test_a_prompt_prefill_stops_the_epochs_clock_and_its_time_is_not_charged_to_
 
 
 def test_tokens_decoded_while_another_request_prefills_are_not_counted():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2)
     run_epoch(governor, clock, 6.0, streams=2, seconds=4)
     governor.prefill_started()  # a request arrives while another decodes
     run_epoch(governor, clock, 1.0, streams=2, seconds=5)  # slowed down by the prefill: not counted
@@ -178,9 +170,7 @@ def test_tokens_decoded_while_another_request_prefills_are_not_counted():
 
 
 def test_a_step_that_began_during_a_prefill_counts_for_its_share_after_it():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2)
     governor.prefill_started()
     clock.now += 3.0
     governor.prefill_ended()
@@ -195,9 +185,7 @@ def test_the_regimes_are_compared_on_decoding_whatever_epochs_the_arrivals_land_
     """Plain decoding serves 6 tokens/s here and speculation 5, and new requests
     arrive (a 4 s prefill each, nothing decoded meanwhile) at the start of the
     epochs that happen to be plain: counted, those would make speculation win."""
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=10, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2, explore_every=10)
     seen = []
     for _ in range(12):
         regime = SPECULATE if governor.speculation_allowed(2) else PLAIN
@@ -215,9 +203,7 @@ def test_a_plain_start_inherited_through_a_load_that_has_not_explored_yet():
     """2 streams measured plain faster; 3-4 streams started plain on that and has
     not tried speculation yet; 5-8 streams, next, starts plain too (it started
     speculating, and its first epochs re-learned the loss)."""
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2)
     regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
     governor.emitted(0, 4)
     assert regimes_over(governor, clock, {SPECULATE: 8.0, PLAIN: 10.0}, streams=4, epochs=3) == [PLAIN] * 3
@@ -225,9 +211,7 @@ def test_a_plain_start_inherited_through_a_load_that_has_not_explored_yet():
 
 
 def test_the_nearest_load_that_measured_both_regimes_decides_a_new_loads_start():
-    clock = Clock()
-    governor = LoadGovernor(epoch_seconds=10.0, explore_every=2, clock=clock)
-    governor.emitted(0, 2)
+    clock, governor = governed(2, explore_every=2)
     regimes_over(governor, clock, {SPECULATE: 5.0, PLAIN: 7.0}, streams=2, epochs=6)
     governor.emitted(0, 4)
     regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=12)  # speculation wins at 4
