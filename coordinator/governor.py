@@ -167,7 +167,10 @@ class LoadGovernor:
             self._exploring.discard(bucket)
             self._explore_interval[bucket] = (self._longer_interval(bucket) if best == other
                                               else self.explore_every)
-        return self._count_towards_exploring(bucket, regime, other) if best == regime else best
+        if best == regime:
+            return self._count_towards_exploring(bucket, regime, other)
+        self._since_explore[bucket] = 0  # the other regime leads now: its wait before a try starts afresh
+        return best
 
     def _longer_interval(self, bucket: int) -> int:
         return min(2 * self._explore_interval.get(bucket, self.explore_every), self.max_explore_every)

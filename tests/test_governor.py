@@ -216,3 +216,15 @@ def test_the_nearest_load_that_measured_both_regimes_decides_a_new_loads_start()
     governor.emitted(0, 4)
     regimes_over(governor, clock, {SPECULATE: 12.0, PLAIN: 10.0}, streams=4, epochs=12)  # speculation wins at 4
     assert governor.speculation_allowed(8)
+
+
+def test_a_regime_that_takes_the_lead_runs_its_full_wait_before_the_other_is_tried():
+    """Plain led for eight epochs, then slowed (the workload changed) until its
+    average fell under speculation's: speculation now leads, and plain decoding
+    is tried again after explore_every epochs, not at once on the count plain
+    had gathered while it led (a logged run switched back after one epoch)."""
+    clock, governor = governed(4, explore_every=10)
+    regimes_over(governor, clock, {SPECULATE: 6.0, PLAIN: 7.0}, streams=4, epochs=10)
+    seen = regimes_over(governor, clock, {SPECULATE: 6.0, PLAIN: 2.0}, streams=4, epochs=14)
+    first_lead = seen.index(SPECULATE)
+    assert first_lead <= 4 and seen[first_lead:first_lead + 10] == [SPECULATE] * 10
