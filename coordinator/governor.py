@@ -3,8 +3,8 @@
 A request's cost model compares its own engine calls, which cannot see what
 its drafting costs the other requests: with in-flight batching, a stream's
 verification rows and the draft's work take forward time and cores from every
-other stream. So the server measures its total throughput instead: time is
-cut into epochs of ``epoch_seconds`` at one load bucket (requests decoding,
+other stream. So the server measures its total throughput instead: time is cut
+into epochs of ``epoch_seconds`` at one load bucket (requests decoding,
 costmodel.load_bucket), each epoch runs one regime for all requests
 (speculate, or decode plainly), and the tokens per second every request
 emitted together are averaged per (load bucket, regime). The regime of the
@@ -15,20 +15,19 @@ doubles the wait before the next, up to ``max_explore_every`` epochs, and a
 try that wins resets it: a tried regime that loses costs its epoch's
 throughput (speculating at a load where it serves half the tokens, one epoch
 in eleven costs about 5 %, one in 81 under 1 %). A load with nothing measured
-yet starts from plain decoding when the nearest lower load that measured
-both regimes found plain faster: what speculation gains shrinks as the
-batch grows (each added stream makes a
-plain forward cheaper per token, and its verification rows and draft calls
-take compute the others need), so the first epochs at the higher load are
-not spent re-learning the loss; that inherited verdict counts as one lost
-try, so speculation is first explored there after twice ``explore_every``
-epochs. An epoch's clock stops while a prompt's prefill runs (from a
-request's arrival to its first token): a prefill decodes nothing whatever
-the regime, so counted it would decide by which epochs the arrivals land
-in. Static schedules such as TensorRT-LLM's ``draft_len_schedule`` fix this
-per batch size in advance; this one is measured on the machine it runs on. A request decoding alone has
-no one to take from, and its own cost model sees every cost: one stream is
-not governed.
+yet starts from plain decoding when the nearest lower load that measured both
+regimes found plain faster: what speculation gains shrinks as the batch grows
+(each added stream makes a plain forward cheaper per token, and its
+verification rows and draft calls take compute the others need), so the first
+epochs at the higher load are not spent re-learning the loss; that inherited
+verdict counts as one lost try, so speculation is first explored there after
+twice ``explore_every`` epochs. An epoch's clock stops while a prompt's
+prefill runs (from a request's arrival to its first token): a prefill decodes
+nothing whatever the regime, so counted it would decide by which epochs the
+arrivals land in. Static schedules such as TensorRT-LLM's
+``draft_len_schedule`` fix this per batch size in advance; this one is
+measured on the machine it runs on. A request decoding alone has no one to
+take from, and its own cost model sees every cost: one stream is not governed.
 """
 
 from __future__ import annotations
