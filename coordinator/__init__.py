@@ -1,9 +1,11 @@
-"""Speculative decoding on Triton: the coordinator's pure core and its Triton adapter.
+"""Speculative decoding on Triton: the coordinator's pure core and its Triton adapters.
 
-Pure modules (no Triton, no torch; tests/test_import_boundary.py keeps them
-so): the public contract (api), the engine contract, config, request,
-sampling, text, drafters, policy, cost model, governor, loop, generation,
-metrics. Adapter: ``triton_bls`` (the BLS model). The CPU reference engine
-(cpu_engine/), the local launcher (launcher/) and the client, benchmarks and
-soak (tools/) live outside the package.
+Folders in the order a request meets them: ``request`` (inputs, validation,
+tokenizer), ``policy`` (window, cost model, load governor), ``drafters`` (one
+file each, declared in ``drafters/registry.py``), ``engines`` (the contract
+with ``target`` and ``draft``), ``verification`` (the acceptance rule and
+reading its outcome), ``decoding`` (the loop, one request end to end),
+``response`` (text and metrics); ``sampling`` holds the maths they share.
+All of them are pure (no Triton, no torch; tests/unit/test_import_boundary.py
+keeps them so). Adapters: ``triton/`` alone.
 """

@@ -17,7 +17,7 @@ mechanics, every stream in step, for requests like the benchmark's:
   S tokens;
 * speculation at window k runs k draft forwards of S rows (one drafted token
   per stream each) and one target forward verifying S (k + 1) rows, which
-  emits S E(k) tokens (coordinator/costmodel.py: the i.i.d. acceptance
+  emits S E(k) tokens (coordinator/policy/costmodel.py: the i.i.d. acceptance
   model, per-token acceptance a).
 
 Forwards run one after the other (the two engines share the cores, and a
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.costmodel import expected_tokens_per_round
+from coordinator.policy.costmodel import expected_tokens_per_round
 
 
 @dataclass(frozen=True)

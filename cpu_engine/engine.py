@@ -4,7 +4,7 @@ sampled generation, one-pass verification of draft tokens, prefix KV-cache
 reuse.
 
 Semantics follow TensorRT-LLM's ``draft_tokens_external`` mode
-(coordinator/engine_semantics.py): with k draft tokens the engine runs one
+(trtllm_emulation/calls.py): with k draft tokens the engine runs one
 forward pass over the new tokens plus the k drafts and returns the accepted
 prefix plus one token of its own; acceptance is token matching, or rejection
 sampling against softmax(draft_logits) when they are given. The end token is
@@ -33,7 +33,7 @@ from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, quantize_linear_layers
 from cpu_engine.rows import RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
-from coordinator.sampling import SamplingParams
+from coordinator.sampling.params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters of configs/cpu.pbtxt this engine understands.

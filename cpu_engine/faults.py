@@ -12,7 +12,7 @@ server process, and are honoured only when *both* are set:
 A rule fires for the engine calls of a coordinator request whose
 ``random_seed`` is ``n``: the coordinator sends each call a seed derived
 from the request's seed, the call's position and its role
-(``coordinator.sampling.call_seed``), which the injector recomputes from the
+(``coordinator.sampling.params.call_seed``), which the injector recomputes from the
 call's input length; an engine request sent directly with seed ``n`` fires
 it too. The coordinator draws the seed of a request that sets none below
 2^63, so seeds from 2^63 up (required here) only reach a rule when a client
@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from coordinator.sampling import ROLES, call_seed
+from coordinator.sampling.params import ROLES, call_seed
 
 FAULTS_VAR = "SPECDEC_FAULT_INJECTION"
 ALLOW_VAR = "SPECDEC_ALLOW_FAULT_INJECTION"

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator import engine_semantics
-from coordinator.engine_semantics import CallResult, PlainDecoding
-from coordinator.sampling import SamplingParams
+from trtllm_emulation import calls
+from trtllm_emulation.calls import CallResult, PlainDecoding
+from coordinator.sampling.params import SamplingParams
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Call:
             self.prefilled += len(work.tokens)
             return
         if self.plain is None:
-            self.result = engine_semantics.verify(logits, self.drafts, self.draft_logits, self.max_new_tokens,
+            self.result = calls.verify(logits, self.drafts, self.draft_logits, self.max_new_tokens,
                                                   self.sampling, self.end_id, self.input_ids)
             return
         before = len(self.plain.tokens)

@@ -22,12 +22,13 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from coordinator.config import expand_env
+from coordinator.settings import expand_env
 from cpu_engine.engine import DEFAULT_MAX_DRAFT_LEN, KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
 from cpu_engine.faults import FaultConfigError, FaultInjector
 from cpu_engine.turns import ForwardTurns
-from coordinator.penalties import Penalties, read_word_list
-from coordinator.sampling import SamplingParams
+from coordinator.sampling.params import Penalties
+from coordinator.sampling.penalties import read_word_list
+from coordinator.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

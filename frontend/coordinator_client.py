@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from coordinator.api import INPUTS, Statistics
+from coordinator.request.api import INPUTS, Statistics
 
 MODEL = "coordinator"
 _SPECS = {spec.name: spec for spec in INPUTS}
@@ -46,7 +46,7 @@ class Piece:
 
 
 def infer_inputs(values: Mapping[str, object]) -> list[grpcclient.InferInput]:
-    """Tensors typed by the coordinator's contract (coordinator/api.py)."""
+    """Tensors typed by the coordinator's contract (coordinator/request/api.py)."""
     tensors = []
     for name, value in values.items():
         spec = _SPECS[name]

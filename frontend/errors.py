@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from coordinator.api import INPUT_NAMES
+from coordinator.request.api import INPUT_NAMES
 
 # Coordinator inputs whose OpenAI field has another name (the rest keep theirs).
 OPENAI_FIELDS = {"random_seed": "seed", "stop_words": "stop", "text_input": "prompt"}

@@ -26,12 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from coordinator.config import CoordinatorSettings
+from coordinator.settings import CoordinatorSettings
 from frontend import errors, requests, responses
 from frontend.coordinator_client import CoordinatorClient, CoordinatorFailure, Piece
 from frontend.prompts import Prompts
 
-# The coordinator's own default (coordinator/config.py): sent explicitly, so
+# The coordinator's own default (coordinator/settings.py): sent explicitly, so
 # finish_reason "length" can be told from "stop" for a request without max_tokens.
 DEFAULT_MAX_TOKENS = next(f.default for f in fields(CoordinatorSettings) if f.name == "default_max_tokens")
 

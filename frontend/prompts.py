@@ -4,7 +4,7 @@ directory (``tokenizer.json`` and its chat template).
 Chat messages become text with ``transformers``' own ``apply_chat_template``
 (the template the model was trained with, Jinja and all); the count uses
 ``tokenizer.json`` with ``tokenizers`` exactly as the coordinator encodes a
-prompt (``coordinator.tokenizer.Codec.encode``), so ``usage.prompt_tokens`` is
+prompt (``coordinator.request.tokenizer.Codec.encode``), so ``usage.prompt_tokens`` is
 what the engines were given."""
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Generation:
         return replace(self, prompt=prompt)
 
     def coordinator_inputs(self) -> dict[str, object]:
-        """Every input of the coordinator request, by its name in coordinator/api.py."""
+        """Every input of the coordinator request, by its name in coordinator/request/api.py."""
         return {"text_input": self.prompt, **self.inputs, "stream": self.stream}
 
 
@@ -154,7 +154,7 @@ def _generation(body: Mapping, *, chat: bool, max_tokens_field: str, default_max
     if max_tokens_field != "max_tokens":
         fields["max_tokens"] = max_tokens_field
     # presence_penalty and frequency_penalty count the prompt's tokens too, as
-    # TensorRT-LLM's penalties do (coordinator/penalties.py)
+    # TensorRT-LLM's penalties do (coordinator/sampling/penalties.py)
     for name in ("temperature", "top_p", "draft_temperature", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         inputs[name] = _number(body, name)

@@ -1,7 +1,7 @@
 """The coordinator's responses as OpenAI bodies, stream chunks and SSE events.
 
 Every non-streamed body and the last chunk of a stream carry ``speculation``:
-the coordinator's statistics keyed by their wire names (coordinator/api.py),
+the coordinator's statistics keyed by their wire names (coordinator/request/api.py),
 so an OpenAI client sees how its text was decoded (``response.model_extra``
 in the ``openai`` package)."""
 
@@ -13,7 +13,7 @@ import uuid
 
 import numpy as np
 
-from coordinator.api import Statistics
+from coordinator.request.api import Statistics
 
 DONE = "data: [DONE]\n\n"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from coordinator.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
+from coordinator.request.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
 
 
 class TokenizerMismatch(RuntimeError):

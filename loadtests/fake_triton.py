@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from coordinator.api import STATISTICS, Statistics
+from coordinator.request.api import STATISTICS, Statistics
 
 MODEL = "coordinator"
 DEFAULT_WINDOW = 5

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import tritonclient.grpc as grpcclient
 
-from coordinator.api import Statistics
+from coordinator.request.api import Statistics
 from tools.stream import MODEL, RequestFailed, final, responses
 
 __all__ = ["MODEL", "RequestFailed", "Timing", "timed_completion"]

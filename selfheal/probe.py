@@ -10,8 +10,8 @@ import queue
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs
-from coordinator.sampling import SamplingParams
+from coordinator.engines.tensors import REQUESTED_OUTPUTS, engine_inputs
+from coordinator.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(top_k=1)
 

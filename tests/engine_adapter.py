@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from cpu_engine.engine import CausalLMEngine, EngineRequest
-from coordinator.loop import EngineOutput
-from coordinator.penalties import for_engine_call
-from coordinator.sampling import SamplingParams
+from coordinator.engines.contract import EngineOutput
+from coordinator.sampling.penalties import for_engine_call
+from coordinator.sampling.params import SamplingParams
 
 
 class LocalEngine:

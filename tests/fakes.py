@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from coordinator import engine_semantics
-from coordinator.loop import EngineOutput
-from coordinator.penalties import for_engine_call
-from coordinator.sampling import SamplingParams
+from trtllm_emulation import calls
+from coordinator.engines.contract import EngineOutput
+from coordinator.sampling.penalties import for_engine_call
+from coordinator.sampling.params import SamplingParams
 
 VOCAB = 50
 
@@ -23,7 +23,7 @@ def toy_logits(context: Sequence[int], salt: int = 0) -> np.ndarray:
 
 class ToyEngine:
     """Implements the loop's Engine protocol with the tensorrtllm backend's
-    semantics (coordinator/engine_semantics.py, as the CPU engine does).
+    semantics (trtllm_emulation/calls.py, as the CPU engine does).
 
     Two variations the coordinator must also get right: ``returns_end_token``
     (an engine that returns and counts the end token) and
@@ -57,7 +57,7 @@ class ToyEngine:
             rows = np.stack([self.logits_fn(context + list(draft_tokens[:i])) for i in range(len(draft_tokens) + 1)])
             if draft_logits is not None:
                 self.received_draft_logits.append(np.asarray(draft_logits))
-            call = engine_semantics.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id,
+            call = calls.verify(rows, draft_tokens, draft_logits, max_new_tokens, sampling, end_id,
                                            input_ids=context)
             tokens, logit_rows = list(call.tokens), list(call.logits)
             own = len(tokens) - call.fed
@@ -95,7 +95,7 @@ class ToyEngine:
             fed.append(token)
             return self.logits_fn(context + fed[1:])
 
-        return engine_semantics.generate(step, context[-1], max_new_tokens, sampling, end_id, input_ids=context)
+        return calls.generate(step, context[-1], max_new_tokens, sampling, end_id, input_ids=context)
 
 
 def noisy(logits_fn, flip_every: int, salt: int = 7):

@@ -17,8 +17,8 @@ import types
 import numpy as np
 import pytest
 
-from coordinator.sampling import SamplingParams
-from coordinator.tokenizer import SpecialTokens
+from coordinator.sampling.params import SamplingParams
+from coordinator.request.tokenizer import SpecialTokens
 
 TIMEOUT = 10.0
 
@@ -106,10 +106,10 @@ class FakeBackend(types.ModuleType):
 def bls(monkeypatch):
     backend = FakeBackend()
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
-    monkeypatch.delitem(sys.modules, "coordinator.triton_bls", raising=False)
-    module = importlib.import_module("coordinator.triton_bls")
+    monkeypatch.delitem(sys.modules, "coordinator.triton.coordinator_model", raising=False)
+    module = importlib.import_module("coordinator.triton.coordinator_model")
     yield module, backend
-    sys.modules.pop("coordinator.triton_bls", None)
+    sys.modules.pop("coordinator.triton.coordinator_model", None)
 
 
 SPECIAL = SpecialTokens(eos_token_ids=(0,), pad_token_id=0)

@@ -1,6 +1,6 @@
 import pytest
 
-from coordinator.config import CoordinatorSettings, SettingsError, expand_env
+from coordinator.settings import CoordinatorSettings, SettingsError, expand_env
 
 
 def test_parameters_parse_with_env_expansion_and_overrides():
@@ -48,7 +48,7 @@ def test_engine_seed_input_follows_the_backend_version():
 
 
 def test_the_policys_tuning_values_are_parameters_of_their_own_names():
-    from coordinator.policy import PolicySettings
+    from coordinator.policy.speculation import PolicySettings
 
     settings = CoordinatorSettings.from_parameters({"probe_interval": "4", "hysteresis": "0.2"}, environ={})
     assert settings.policy == PolicySettings(probe_interval=4, hysteresis=0.2)

@@ -1,4 +1,4 @@
-"""The engine tensor contract (coordinator/contract.py) against every profile's
+"""The engine tensor contract (coordinator/engines/contract.py) against every profile's
 engine configs: each tensor the coordinator sends to `target` or `draft`, and
 each output it reads, is declared with the same data type and compatible dims,
 so the one coordinator drives the CPU engine and TensorRT-LLM alike."""
@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from tests._config_helpers import data_type_name, engine_names, model_config, parameter, profiles
-from coordinator import api
-from coordinator.contract import ENGINE_INPUTS, ENGINE_OUTPUTS, REQUIRED_ENGINE_PARAMETERS, TensorSpec
+from coordinator.request import api
+from coordinator.engines.contract import ENGINE_INPUTS, ENGINE_OUTPUTS, REQUIRED_ENGINE_PARAMETERS, TensorSpec
 
 CASES = [(profile, role) for profile in profiles() for role in ("target", "draft")]
 IDS = [f"{profile}-{role}" for profile, role in CASES]
@@ -96,7 +96,7 @@ def test_engines_are_called_the_same_way_in_every_profile(role):
     assert len({c.model_transaction_policy.decoupled for c in configs.values()}) == 1
 
 
-# ---- the coordinator's public contract (coordinator/api.py) ---------------------------------------------
+# ---- the coordinator's public contract (coordinator/request/api.py) ---------------------------------------------
 
 
 def declared(tensors) -> dict[str, tuple[str, tuple[int, ...], bool]]:

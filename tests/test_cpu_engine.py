@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cpu_engine.engine import CausalLMEngine, EngineRequest, EngineRequestError, resolve_dtype  # noqa: E402
-from coordinator.sampling import SamplingParams  # noqa: E402
+from coordinator.sampling.params import SamplingParams  # noqa: E402
 from tests.tiny_models import write_tiny_qwen2  # noqa: E402
 
 PROMPT = np.array([3, 14, 15, 9, 26, 5], dtype=np.int32)
@@ -266,7 +266,7 @@ def test_quantized_engine_generates_and_verifies(model_dir, scheme, row_invarian
 
 
 def test_simulated_speculation_rounds_from_teacher_forced_matches():
-    from cpu_engine.measure_agreement import speculation_rounds
+    from tools.measure_agreement import speculation_rounds
 
     # window 2 over 6 positions: [T T] + target token; [F] -> target token; one token left to draft: [T] + target token
     assert speculation_rounds([True, True, True, False, True, False], 2) == (3, 5, 3)
@@ -274,7 +274,7 @@ def test_simulated_speculation_rounds_from_teacher_forced_matches():
 
 
 def test_measure_agreement_command_runs(model_dir, tmp_path, capsys):
-    from cpu_engine.measure_agreement import main
+    from tools.measure_agreement import main
     from tests.tiny_models import write_tokenizer
 
     write_tokenizer(tmp_path / "tokenizer")

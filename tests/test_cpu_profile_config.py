@@ -1,6 +1,6 @@
 """Consistency of the cpu profile's engine settings with the coordinator's."""
 
-from coordinator.config import CoordinatorSettings
+from coordinator.settings import CoordinatorSettings
 from cpu_engine.engine import KNOWN_PARAMETERS
 from cpu_engine.quantize import SCHEMES
 from tests._config_helpers import COORDINATOR, model_config, parameter

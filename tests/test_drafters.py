@@ -1,4 +1,4 @@
-"""Drafters (coordinator/drafters.py): prompt lookup's matching, the hybrid's
+"""Drafters (coordinator/drafters/): prompt lookup's matching, the hybrid's
 choice, and the loop with each of them: greedy output equal to plain
 decoding, and sampled output distributed as the target's when the drafts
 come without a distribution (token matching)."""
@@ -8,28 +8,28 @@ import asyncio
 import numpy as np
 import pytest
 
-from coordinator.costmodel import CostModel
-from coordinator.drafters import (
-    DRAFT_MODEL,
-    HYBRID,
-    PROMPT_LOOKUP,
-    HybridDrafter,
-    ModelDrafter,
-    CATCH_UP_CHUNK,
-    CATCH_UP_FIRST,
-    PromptLookupDrafter,
-    catch_up_ends,
-    lookup,
-    make_drafter,
-)
-from coordinator.loop import score_alternatives, speculative_decode
-from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.policy.costmodel import CostModel
+from coordinator.drafters import hybrid as hybrid_module, registry
+from coordinator.drafters.base import DrafterOptions
+from coordinator.drafters.registry import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.drafters.hybrid import HybridDrafter
+from coordinator.drafters.draft_model import ModelDrafter, CATCH_UP_CHUNK, CATCH_UP_FIRST, catch_up_ends
+from coordinator.drafters.prompt_lookup import PromptLookupDrafter, lookup
+from coordinator.verification.outcome import score_alternatives
+from coordinator.decoding.loop import speculative_decode
+from coordinator.policy.speculation import Mode, SpeculationPolicy
 from coordinator.rounds import Round
-from coordinator.sampling import SamplingParams, processed_probs
+from coordinator.sampling.params import SamplingParams
+from coordinator.sampling.maths import processed_probs
 from tests.fakes import VOCAB, ToyEngine, toy_logits
 from tests.stats import gof_pvalue
 
 GREEDY = SamplingParams()
+HYBRID = hybrid_module.NAME
+
+
+def make_drafter(name, model):
+    return registry.build(name, DrafterOptions(model=model))
 
 
 def test_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix_that_occurs():
@@ -114,7 +114,7 @@ def test_make_drafter_names_every_drafter_and_refuses_others():
     assert make_drafter(DRAFT_MODEL, model=model).name == DRAFT_MODEL
     assert make_drafter(PROMPT_LOOKUP, model=model).name == PROMPT_LOOKUP
     assert make_drafter(HYBRID, model=model).name == HYBRID
-    with pytest.raises(ValueError, match="unknown drafter 'ngram'"):
+    with pytest.raises(ValueError, match="drafter must be one of draft_model, prompt_lookup, hybrid, got 'ngram'"):
         make_drafter("ngram", model=model)
 
 
@@ -248,3 +248,51 @@ def test_the_draft_model_catches_up_on_a_prompt_in_chunks_and_stops_when_no_long
     hybrid = make_drafter(HYBRID, model=lambda: ModelDrafter(engine, GREEDY, (), catch_up_after=6))
     assert asyncio.run(hybrid.warm_up(prompt, seed=1, wanted=lambda done: False)) == 0
     assert engine.lengths == []
+
+
+def test_a_new_drafter_is_one_file_and_one_registry_entry(monkeypatch):
+    """tests/toy_drafter.py and one entry: the settings, the request parser, the policy, the
+    cost model and the metrics take it by its name, and greedy output stays plain decoding's."""
+    from coordinator.request.parse import parse_request
+    from coordinator.response.metrics import DRAFT_TOKENS, MetricsRecorder
+    from coordinator.settings import CoordinatorSettings
+    from tests import toy_drafter
+
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        CoordinatorSettings(drafter=toy_drafter.NAME)
+    monkeypatch.setattr(registry, "ENTRIES", (*registry.ENTRIES, toy_drafter.ENTRY))
+    monkeypatch.setitem(registry.REGISTRY, toy_drafter.NAME, toy_drafter.ENTRY)
+
+    CoordinatorSettings(drafter=toy_drafter.NAME)
+    request = parse_request({"text_input": np.array([b"x"], dtype=object),
+                             "drafter": np.array([toy_drafter.NAME.encode()], dtype=object)},
+                            CoordinatorSettings(), new_seed=lambda: 1)
+    assert request.drafter == toy_drafter.NAME and registry.is_free(toy_drafter.NAME)
+    assert CostModel().draft_cost(3, drafter=toy_drafter.NAME) == 0.0
+
+    prompt = [5, 6, 7, 7, 7, 7, 8, 9]
+    rounds, _ = decode(prompt, 24, toy_drafter.NAME, ToyEngine(repeating))
+    plain, _ = decode(prompt, 24, toy_drafter.NAME, ToyEngine(repeating), window=0)
+    assert [t for r in rounds for t in r.tokens] == [t for r in plain for t in r.tokens]
+    assert {r.drafter for r in rounds if r.drafted} == {toy_drafter.NAME}
+
+    made = {}
+    recorder = MetricsRecorder(lambda spec: made.setdefault(spec, Counter()))
+    metrics = recorder.start_request()
+    for round_ in rounds:
+        metrics.round(round_)
+    assert made[DRAFT_TOKENS[toy_drafter.NAME]].total == sum(r.drafted for r in rounds) > 0
+
+
+class Counter:
+    def __init__(self):
+        self.total = 0.0
+
+    def increment(self, value):
+        self.total += value
+
+    def set(self, value):
+        pass
+
+    def observe(self, value):
+        pass

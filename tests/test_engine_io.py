@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from coordinator.contract import ENGINE_INPUTS
-from coordinator.engine_io import engine_inputs, generated_tokens, generation_logits
-from coordinator.sampling import SamplingParams
+from coordinator.engines.contract import ENGINE_INPUTS
+from coordinator.engines.tensors import engine_inputs, generated_tokens, generation_logits
+from coordinator.sampling.params import SamplingParams
 
 
 def test_inputs_follow_the_contract_with_a_batch_dimension():

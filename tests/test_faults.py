@@ -14,7 +14,7 @@ from cpu_engine.faults import (
     InjectedFault,
     parse_rules,
 )
-from coordinator.sampling import call_seed
+from coordinator.sampling.params import call_seed
 from tests._config_helpers import ROOT
 
 SEED = MIN_FAULT_SEED + 1

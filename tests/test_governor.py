@@ -1,8 +1,8 @@
-"""The server-wide load switch (coordinator/governor.py) with a fake clock."""
+"""The server-wide load switch (coordinator/policy/governor.py) with a fake clock."""
 
-from coordinator.costmodel import CostModel
-from coordinator.governor import PLAIN, SPECULATE, LoadGovernor
-from coordinator.policy import Mode, SpeculationPolicy
+from coordinator.policy.costmodel import CostModel
+from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
+from coordinator.policy.speculation import Mode, SpeculationPolicy
 
 
 class Clock:
@@ -119,7 +119,7 @@ def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_
 
 
 def governor_bucket(streams):
-    from coordinator.costmodel import load_bucket
+    from coordinator.policy.costmodel import load_bucket
 
     return load_bucket(streams)
 

@@ -1,8 +1,10 @@
-"""The coordinator package is a pure core plus one Triton adapter: the loop,
+"""The coordinator package is a pure core plus its Triton adapters: the loop,
 the drafters, the policies and the maths import neither Triton nor torch, so
-they are tested in milliseconds and run unchanged behind any server. The CPU
-engine (cpu_engine/), the launcher (launcher/) and the tools (tools/) live
-outside the package."""
+they are tested in milliseconds and run unchanged behind any server. The
+adapters live in ``coordinator/triton/`` alone. The engines' TensorRT-LLM
+emulation (trtllm_emulation/) is pure too: the CPU engine and the tests'
+fakes run it. The CPU engine (cpu_engine/), the launcher (launcher/) and the
+tools (tools/) live outside the package."""
 
 from __future__ import annotations
 
@@ -13,12 +15,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "coordinator"
-ADAPTERS = {"triton_bls", "triton_nvidia"}  # the Triton shims of the coordinator and tensorrt_llm_bls models
+ADAPTERS = PACKAGE / "triton"  # the Triton shims of the coordinator and tensorrt_llm_bls models
+PURE_PACKAGES = (PACKAGE, ROOT / "trtllm_emulation")
 FORBIDDEN = ("torch", "transformers", "triton_python_backend_utils", "tritonclient", "tritonserver")
+# The folders of the coordinator, in the order a request meets them.
+FLOW = ("request", "policy", "drafters", "engines", "verification", "decoding", "response", "sampling", "triton")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def core_files() -> list[Path]:
+    return sorted(p for package in PURE_PACKAGES for p in package.rglob("*.py")
+                  if ADAPTERS not in p.parents and "__pycache__" not in p.parts)
 
 
 def core_modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ADAPTERS | {"__init__"})
+    return [module_name(p) for p in core_files()]
 
 
 def imported(path: Path) -> set[str]:
@@ -36,18 +51,29 @@ def forbidden(names: set[str]) -> list[str]:
     return sorted(n for n in names if n.split(".")[0] in FORBIDDEN)
 
 
-def test_the_package_holds_only_the_core_and_its_adapter():
-    assert not [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"]
-    assert {"loop", "policy", "drafters", "costmodel", "api"} <= set(core_modules())
+def test_the_package_holds_the_flow_in_folders_and_its_adapters_in_one():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(FLOW)
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem not in {"__init__", "settings", "rounds"}]
+    assert {"coordinator.decoding.loop", "coordinator.policy.speculation", "coordinator.drafters.registry",
+            "coordinator.policy.costmodel", "coordinator.request.api", "coordinator.engines.contract",
+            "coordinator.verification.rules", "trtllm_emulation.calls"} <= set(core_modules())
 
 
 def test_no_core_module_imports_triton_or_torch_anywhere_in_its_code():
-    found = {module: forbidden(imported(PACKAGE / f"{module}.py")) for module in core_modules()}
+    found = {module_name(path): forbidden(imported(path)) for path in core_files()}
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def test_the_coordinator_does_not_import_the_engines_emulation():
+    """The emulation is what engines do; the coordinator only talks to engines."""
+    found = {module_name(path): sorted(n for n in imported(path) if n.startswith("trtllm_emulation"))
+             for path in PACKAGE.rglob("*.py")}
     assert {m: names for m, names in found.items() if names} == {}
 
 
 def test_importing_the_core_pulls_in_neither_triton_nor_torch():
-    modules = ", ".join(f"coordinator.{m}" for m in core_modules())
+    modules = ", ".join(core_modules())
     code = (f"import sys, importlib\nfor m in '{modules}'.split(', '): importlib.import_module(m)\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
@@ -62,7 +88,7 @@ def test_the_checks_would_catch_a_forbidden_import(tmp_path):
 
 # -- the GPU image ---------------------------------------------------------------
 
-LOCAL_PACKAGES = {"coordinator", "cpu_engine", "frontend", "launcher", "selfheal", "tools"}
+LOCAL_PACKAGES = {"coordinator", "cpu_engine", "frontend", "launcher", "selfheal", "tools", "trtllm_emulation"}
 
 
 def image_packages(dockerfile: Path) -> set[str]:

@@ -368,7 +368,7 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
     assert data["SPECDEC_ADAPTIVE_WINDOW"] == pbtxt_parameter(config, "adaptive_window")
     assert data["SPECDEC_DRAFTER"] == pbtxt_parameter(config, "drafter")
     # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
-    from coordinator.config import ENV_OVERRIDES
+    from coordinator.settings import ENV_OVERRIDES
 
     assert set(data) == set(ENV_OVERRIDES.values())
     triton = container(pod_spec(deployment(docs)), "triton")

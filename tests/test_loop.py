@@ -2,18 +2,15 @@ import asyncio
 
 import pytest
 
-from coordinator.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel, load_bucket
-from coordinator.drafters import CATCH_UP_CHUNK, CATCH_UP_FIRST, DRAFT_MODEL, catch_up_ends
-from coordinator.loop import (
-    EngineError,
-    EngineOutput,
-    common_prefix_length,
-    reached_end_by_count,
-    speculative_decode,
-)
-from coordinator.governor import PLAIN, LoadGovernor
-from coordinator.policy import Mode, SpeculationPolicy
-from coordinator.sampling import SamplingParams, call_seed
+from coordinator.policy.costmodel import PREFILL_EXPLORE_EVERY, PREFILL_MIN_SAMPLES, CostModel, load_bucket
+from coordinator.drafters.draft_model import CATCH_UP_CHUNK, CATCH_UP_FIRST, catch_up_ends
+from coordinator.drafters.registry import DRAFT_MODEL
+from coordinator.engines.contract import EngineError, EngineOutput
+from coordinator.decoding.loop import common_prefix_length, speculative_decode
+from coordinator.verification.outcome import reached_end_by_count
+from coordinator.policy.governor import PLAIN, LoadGovernor
+from coordinator.policy.speculation import Mode, SpeculationPolicy
+from coordinator.sampling.params import SamplingParams, call_seed
 from tests.fakes import ToyEngine, noisy, toy_logits
 
 GREEDY = SamplingParams()
@@ -86,7 +83,7 @@ def test_log_probs_are_the_targets_whether_a_token_was_drafted_or_not(sampling):
     """Each emitted token's log probability is log softmax of the target's
     row at its context (temperature applied, before top-k), as TensorRT-LLM's
     output_log_probs; greedy speculation reports exactly plain decoding's."""
-    from coordinator.sampling import token_log_prob
+    from coordinator.sampling.maths import token_log_prob
 
     prompt = [5, 1]
     rounds, _ = run(prompt, 20, ToyEngine(noisy(toy_logits, 3)), ToyEngine(), window=3, sampling=sampling)

@@ -2,27 +2,10 @@ from collections import defaultdict
 
 import pytest
 
-from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.drafters.registry import DRAFT_MODEL, PROMPT_LOOKUP
 from coordinator.rounds import Round
-from coordinator.metrics import (
-    ACCEPTED_AT,
-    ACCEPTED_PER_ROUND,
-    ACCEPTED_TOKENS,
-    DRAFTED_AT,
-    ALL_SPECS,
-    DRAFT_FAILURES,
-    DRAFT_TOKENS,
-    EMITTED_TOKENS,
-    FALLBACK_ACTIVE,
-    INTER_TOKEN_LATENCY,
-    PLAIN_ROUNDS,
-    REQUESTS,
-    SPECULATIVE_ROUNDS,
-    TIME_TO_FIRST_TOKEN,
-    WINDOW,
-    MetricsRecorder,
-)
-from coordinator.policy import Mode
+from coordinator.response.metrics import (ACCEPTED_AT, ACCEPTED_PER_ROUND, ACCEPTED_TOKENS, DRAFTED_AT, all_specs, DRAFT_FAILURES, DRAFT_TOKENS, EMITTED_TOKENS, FALLBACK_ACTIVE, INTER_TOKEN_LATENCY, PLAIN_ROUNDS, REQUESTS, SPECULATIVE_ROUNDS, TIME_TO_FIRST_TOKEN, WINDOW, MetricsRecorder)
+from coordinator.policy.speculation import Mode
 
 
 class Fake:
@@ -61,14 +44,14 @@ def recorder():
 
 
 def test_names_share_one_prefix_and_label_sets_are_unique():
-    assert all(spec.name.startswith("specdec_") for spec in ALL_SPECS)
-    keys = [(spec.name, spec.labels) for spec in ALL_SPECS]
+    assert all(spec.name.startswith("specdec_") for spec in all_specs())
+    keys = [(spec.name, spec.labels) for spec in all_specs()]
     assert len(keys) == len(set(keys))
     kinds = defaultdict(set)
-    for spec in ALL_SPECS:
+    for spec in all_specs():
         kinds[spec.name].add(spec.kind)
     assert all(len(k) == 1 for k in kinds.values()), "one kind per metric name"
-    assert all(spec.name.endswith("_total") for spec in ALL_SPECS if spec.kind == "counter")
+    assert all(spec.name.endswith("_total") for spec in all_specs() if spec.kind == "counter")
 
 
 def test_rounds_update_counters_gauges_and_histograms():
@@ -132,7 +115,7 @@ def test_the_documented_promql_examples_parse_and_use_exported_names():
     block = reference.split("Example PromQL:", 1)[1].split("```", 2)[1]
     queries = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(queries) >= 3
-    exported = {spec.name for spec in ALL_SPECS}
+    exported = {spec.name for spec in all_specs()}
     for query in queries:
         promql_parser.parse(query)
         for name in re.findall(r"specdec_[a-z_]+", query):
@@ -150,7 +133,7 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
     recorded = {r["record"] for r in rules if "record" in r}
     from selfheal.exposition import METRICS as WATCHDOG_METRICS
 
-    exported = {spec.name for spec in ALL_SPECS} | {name for name, *_ in WATCHDOG_METRICS}
+    exported = {spec.name for spec in all_specs()} | {name for name, *_ in WATCHDOG_METRICS}
     used = {name for r in rules for name in re.findall(r"specdec_[a-z_:]+", r["expr"])}
     assert used, "the rules use specdec_* metrics"
     assert used <= exported | recorded, used - exported - recorded

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import nvidia
-from coordinator.request import InputError, parse_request
-from coordinator.config import CoordinatorSettings
+from coordinator.request import nvidia
+from coordinator.request.parse import InputError, parse_request
+from coordinator.settings import CoordinatorSettings
 from tests._config_helpers import data_type_name, model_config, profiles
 
 

@@ -14,8 +14,8 @@ import time
 import openai
 import pytest
 
-from coordinator.api import STATISTICS
-from coordinator.tokenizer import Codec
+from coordinator.request.api import STATISTICS
+from coordinator.request.tokenizer import Codec
 from tests.server_client import complete, metric, metrics_text
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from coordinator.api import INPUT_NAMES, STATISTICS, Statistics
+from coordinator.request.api import INPUT_NAMES, STATISTICS, Statistics
 from frontend import errors
 from frontend.requests import UNSUPPORTED, chat_request, completion_request
 from frontend.responses import DONE, Reply, finish_reason, speculation, sse, usage

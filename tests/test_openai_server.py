@@ -10,7 +10,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from coordinator.api import Statistics
+from coordinator.request.api import Statistics
 from frontend.coordinator_client import CoordinatorFailure, Piece
 from frontend.openai_server import DEFAULT_MAX_TOKENS, Settings, create_app
 

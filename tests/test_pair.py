@@ -4,7 +4,7 @@ import pytest
 
 from launcher import launch
 from launcher.pair import TokenizerMismatch, check_pair, prepare_pair_tokenizer, read_profile
-from coordinator.tokenizer import Codec
+from coordinator.request.tokenizer import Codec
 from tests.tiny_models import WORDS, write_tokenizer
 
 

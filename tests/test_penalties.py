@@ -1,4 +1,4 @@
-"""Penalties, min_length and bad words (coordinator/penalties.py): the
+"""Penalties, min_length and bad words (coordinator/sampling/penalties.py): the
 arithmetic of TensorRT-LLM's kernels, the engine wire format, and that
 speculation with them stays lossless through the whole loop (the drafter's
 q and the engine's verification both process each position after the tokens
@@ -13,11 +13,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from coordinator.engine_io import engine_inputs
-from coordinator.loop import speculative_decode
-from coordinator.penalties import History, Penalties, adjust, for_engine_call, read_word_list, word_list
-from coordinator.policy import SpeculationPolicy
-from coordinator.sampling import SamplingParams, processed_probs
+from coordinator.engines.tensors import engine_inputs
+from coordinator.decoding.loop import speculative_decode
+from coordinator.sampling.penalties import History, adjust, for_engine_call, read_word_list, word_list
+from coordinator.sampling.params import Penalties
+from coordinator.policy.speculation import SpeculationPolicy
+from coordinator.sampling.params import SamplingParams
+from coordinator.sampling.maths import processed_probs
 from tests.fakes import ToyEngine
 from tests.stats import gof_pvalue
 

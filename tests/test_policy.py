@@ -1,8 +1,8 @@
-"""The speculation policy's rule (coordinator/policy.py docstring), step by step."""
+"""The speculation policy's rule (coordinator/policy/speculation.py docstring), step by step."""
 
-from coordinator.costmodel import CostModel
-from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
-from coordinator.policy import Mode, PolicySettings, SpeculationPolicy
+from coordinator.policy.costmodel import CostModel
+from coordinator.drafters.registry import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.policy.speculation import Mode, PolicySettings, SpeculationPolicy
 from coordinator.rounds import Round
 
 

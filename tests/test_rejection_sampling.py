@@ -1,11 +1,11 @@
 """Speculative sampling is lossless: statistical tests of the whole pipeline.
 
 The pipeline per round is the production code end to end: the draft engine
-samples k tokens (``engine_semantics.generate``, with its call's seed
+samples k tokens (``calls.generate``, with its call's seed
 ``call_seed(seed, position, "draft")``), the coordinator turns the draft's
 raw logits into log q (``draft_log_probs``: q processed with the draft's own
 sampling settings), and the target engine verifies
-(``engine_semantics.verify``: q = softmax(draft_logits), as TensorRT-LLM's
+(``calls.verify``: q = softmax(draft_logits), as TensorRT-LLM's
 ExternalDraftTokensLayer reads them; its own call seed). Rounds repeat until
 enough tokens are out. Draft and target are small first-order Markov
 "models" (the logits of a position depend on the previous token), so the
@@ -35,19 +35,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import coordinator.engine_semantics as engine_semantics
-import coordinator.sampling as sampling
-from coordinator.sampling import (
-    SamplingParams,
-    call_rng,
-    call_seed,
-    draft_log_probs,
-    inverse_cdf,
-    processed_probs,
-    select_token,
-    softmax,
-    verify_by_rejection,
-)
+from trtllm_emulation import calls
+from coordinator.sampling import maths as sampling
+from coordinator.sampling.params import SamplingParams, call_seed
+from coordinator.sampling.maths import call_rng, draft_log_probs, inverse_cdf, processed_probs, select_token, softmax
+from coordinator.verification.rules import verify_by_rejection
 from tests.stats import chi2_sf, gof_pvalue, total_variation
 
 ALPHA = 1e-4
@@ -106,7 +98,7 @@ def _memoised_probabilities():
         patch.setattr(sampling, "processed_probs", lambda logits, params: cached(
             "p", lambda array, *settings: real_probs(array, SamplingParams(*settings)), logits,
             params.temperature, params.top_k, params.top_p))
-        patch.setattr(engine_semantics, "softmax", lambda logits: cached("s", real_softmax, logits))
+        patch.setattr(sampling, "softmax", lambda logits: cached("s", real_softmax, logits))
         yield
 
 
@@ -132,7 +124,7 @@ class Model:
 
 
 def speculate(target: Model, draft: Model, params: SamplingParams, k: int, *, n: int = N, tokens: int = 2,
-              draft_params: SamplingParams | None = None, verify=engine_semantics.verify) -> np.ndarray:
+              draft_params: SamplingParams | None = None, verify=calls.verify) -> np.ndarray:
     """The first ``tokens`` emitted tokens of requests with seeds 0..n-1, shape [n, tokens]."""
     draft_params = draft_params or params
     out = np.empty((n, tokens), dtype=np.int64)
@@ -141,7 +133,7 @@ def speculate(target: Model, draft: Model, params: SamplingParams, k: int, *, n:
         while len(context) < tokens:
             position = PROMPT + len(context)
             last = context[-1] if context else target.start
-            drafted = engine_semantics.generate(
+            drafted = calls.generate(
                 draft.step, last, k, replace(draft_params, seed=call_seed(seed, position, "draft")), None
             )
             drafts = drafted.tokens
@@ -280,7 +272,7 @@ POWER_PARAMS = {
 }
 
 
-def power_samples(verify=engine_semantics.verify, case="temperature_1"):
+def power_samples(verify=calls.verify, case="temperature_1"):
     params, draft_params = POWER_PARAMS[case]
     samples = speculate(POWER_TARGET, POWER_DRAFT, params, POWER_K, n=N_POWER, tokens=POWER_TOKENS,
                         draft_params=draft_params, verify=verify)
@@ -319,7 +311,7 @@ def test_the_power_check_detects_a_total_variation_error_of_0_01():
 
 
 def wrong_verifier(name, doc, *, accept_scale=1.0, one_uniform=False, residual_q=1.0):
-    """engine_semantics.verify with one subtle change: acceptance when
+    """calls.verify with one subtle change: acceptance when
     u * q < accept_scale * p; one acceptance uniform for the whole round; or
     the correction drawn from max(p - residual_q * q, 0)."""
 
@@ -336,9 +328,9 @@ def wrong_verifier(name, doc, *, accept_scale=1.0, one_uniform=False, residual_q
                 continue
             residual = np.maximum(p - residual_q * q, 0.0)
             emitted.append(inverse_cdf(residual / residual.sum(), rng.random()))
-            return engine_semantics.CallResult(emitted, [], len(emitted) - 1)
+            return calls.CallResult(emitted, [], len(emitted) - 1)
         emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
-        return engine_semantics.CallResult(emitted, [], len(draft_tokens))
+        return calls.CallResult(emitted, [], len(draft_tokens))
 
     verify.__name__, verify.__doc__ = name, doc
     return verify
@@ -371,12 +363,12 @@ def _one_round(target, draft, params, k, n):
     """(draft tokens, emitted tokens) of the first round for seeds 0..n-1."""
     rounds = []
     for seed in range(n):
-        drafted = engine_semantics.generate(
+        drafted = calls.generate(
             draft.step, target.start, k, replace(params, seed=call_seed(seed, PROMPT, "draft")), None
         )
         rows = target.logits[[target.start, *drafted.tokens]]
         log_q = draft_log_probs(np.stack(drafted.logits), params)
-        call = engine_semantics.verify(rows, drafted.tokens, log_q, k + 1,
+        call = calls.verify(rows, drafted.tokens, log_q, k + 1,
                                        replace(params, seed=call_seed(seed, PROMPT, "target")), None)
         rounds.append((drafted.tokens, call.tokens))
     return rounds
@@ -438,7 +430,7 @@ def test_a_plain_softmax_of_the_sent_log_probs_is_the_drafts_distribution(draft_
 
 def test_token_log_prob_is_the_full_softmax_after_temperature():
     """samplingTopKKernels.cu: output_log_probs are not renormalized over the top-k."""
-    from coordinator.sampling import token_log_prob
+    from coordinator.sampling.maths import token_log_prob
 
     logits = np.array([1.0, 3.0, -2.0, 0.5])
     params = SamplingParams(temperature=0.5, top_k=2)

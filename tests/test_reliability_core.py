@@ -9,15 +9,15 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from coordinator.config import CoordinatorSettings
-from coordinator.generation import RequestCancelled, generate_text
-from coordinator.governor import LoadGovernor
-from coordinator.loop import speculative_decode
-from coordinator.metrics import DRAFT_FAILURES, REQUESTS, MetricsRecorder
-from coordinator.policy import Mode, SpeculationPolicy
-from coordinator.request import GenerationRequest, InputError
-from coordinator.sampling import SamplingParams
-from coordinator.tokenizer import Codec, SpecialTokens
+from coordinator.settings import CoordinatorSettings
+from coordinator.decoding.generation import RequestCancelled, generate_text
+from coordinator.policy.governor import LoadGovernor
+from coordinator.decoding.loop import speculative_decode
+from coordinator.response.metrics import DRAFT_FAILURES, REQUESTS, MetricsRecorder
+from coordinator.policy.speculation import Mode, SpeculationPolicy
+from coordinator.request.parse import GenerationRequest, InputError
+from coordinator.sampling.params import SamplingParams
+from coordinator.request.tokenizer import Codec, SpecialTokens
 from tests.fakes import ToyEngine, toy_logits
 from tests.test_metrics import Fake as FakeInstrument
 

@@ -1,9 +1,8 @@
 import numpy as np
 import pytest
 
-from coordinator.config import CoordinatorSettings
-from coordinator.request import (InputError, check_context, check_end_id, check_parameters, check_prompt_size,
-                                 parse_request)
+from coordinator.settings import CoordinatorSettings
+from coordinator.request.parse import (InputError, check_context, check_end_id, check_parameters, check_prompt_size, parse_request)
 
 SETTINGS = CoordinatorSettings(speculation_window=5, max_tokens_limit=1024, max_context_tokens=4096)
 

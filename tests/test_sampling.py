@@ -1,15 +1,9 @@
 import numpy as np
 import pytest
 
-from coordinator.sampling import (
-    SamplingParams,
-    call_rng,
-    inverse_cdf,
-    processed_probs,
-    select_token,
-    verify_by_matching,
-    verify_by_rejection,
-)
+from coordinator.sampling.params import SamplingParams
+from coordinator.sampling.maths import call_rng, inverse_cdf, processed_probs, select_token
+from coordinator.verification.rules import verify_by_matching, verify_by_rejection
 
 
 def test_greedy_is_argmax_and_top_k_one_is_greedy():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_engine.scheduler import Call, Scheduler
-from coordinator.sampling import SamplingParams
+from coordinator.sampling.params import SamplingParams
 
 VOCAB = 16
 

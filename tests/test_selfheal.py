@@ -174,7 +174,7 @@ def test_metrics_are_served():
 # ------------------------------------------------------ probe and admin ----
 
 def test_the_probe_is_one_greedy_token_in_the_engine_contract():
-    from coordinator.contract import ENGINE_INPUTS
+    from coordinator.engines.contract import ENGINE_INPUTS
 
     inputs = {t.name(): t for t in probe.probe_inputs()}
     assert set(inputs) <= set(ENGINE_INPUTS) | {"random_seed"}

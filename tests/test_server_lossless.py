@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from coordinator.engine_io import engine_inputs, generated_tokens, generation_logits
-from coordinator.sampling import SamplingParams, processed_probs
+from coordinator.engines.tensors import engine_inputs, generated_tokens, generation_logits
+from coordinator.sampling.params import SamplingParams
+from coordinator.sampling.maths import processed_probs
 from tests.server_client import complete, concurrently, engine_responses, humaneval_prompts
 from tests.stats import gof_pvalue
 

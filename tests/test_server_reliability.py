@@ -19,8 +19,8 @@ from tritonclient.utils import InferenceServerException
 
 from tools.client import build_inputs, stream_completion
 from tools.stream import MODEL
-from coordinator.engine_io import engine_inputs
-from coordinator.sampling import SamplingParams
+from coordinator.engines.tensors import engine_inputs
+from coordinator.sampling.params import SamplingParams
 from tools.soak import process_tree, sample_memory
 from launcher.launch import PROJECT_ROOT, ServerOptions
 from tests.conftest import DRAFT_LATE_SECONDS, FAULT_SEEDS, ServerAddress, free_port, running_server

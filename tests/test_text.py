@@ -1,4 +1,4 @@
-from coordinator.text import CompletionText
+from coordinator.response.text import CompletionText
 
 CHARS = {i: c for i, c in enumerate("abcdefghijklmnopqrstuvwxyz \n")}
 

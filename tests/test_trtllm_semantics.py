@@ -18,11 +18,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordinator import drafters as drafters_module  # noqa: E402
+from coordinator.drafters import draft_model as drafters_module  # noqa: E402
 from cpu_engine.engine import CausalLMEngine, EngineRequest  # noqa: E402
-from coordinator.loop import speculative_decode  # noqa: E402
-from coordinator.policy import SpeculationPolicy  # noqa: E402
-from coordinator.sampling import SamplingParams, processed_probs  # noqa: E402
+from coordinator.decoding.loop import speculative_decode  # noqa: E402
+from coordinator.policy.speculation import SpeculationPolicy  # noqa: E402
+from coordinator.sampling.params import SamplingParams  # noqa: E402
+from coordinator.sampling.maths import processed_probs
 from tests.engine_adapter import LocalEngine  # noqa: E402
 from tests.stats import gof_pvalue  # noqa: E402
 from tests.tiny_models import write_tiny_qwen2  # noqa: E402

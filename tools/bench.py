@@ -11,7 +11,7 @@ the window in 1..--window each round) and ``fixed-K`` for each K of
 It reports per mode tokens/s, the speed-up over plain, the acceptance, the
 per-token acceptance alpha, tokens per round, time to first text, and the
 speed-up the cost model predicts from the measured alpha and engine costs
-(see ``coordinator/costmodel.py``) next to the measured one. Greedy
+(see ``coordinator/policy/costmodel.py``) next to the measured one. Greedy
 speculation is lossless, so every speculative text must equal plain's: any
 difference is counted and makes the exit status 1.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from coordinator.api import COUNTED, Statistics
+from coordinator.request.api import COUNTED, Statistics
 from tools.client import Completion, build_inputs, stream_completion
 from tools.stream import MODEL
 from tools.prompts import (
@@ -44,7 +44,7 @@ from tools.prompts import (
     humaneval_prompts,
     random_prompts,
 )
-from coordinator.costmodel import acceptance_from_rounds, best_of, predicted_speedup
+from coordinator.policy.costmodel import acceptance_from_rounds, best_of, predicted_speedup
 
 TARGET_FRACTION = 0.9  # the goal: a measured speed-up of at least 90 % of the predicted one
 

@@ -11,8 +11,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from coordinator.api import Statistics
-from coordinator.drafters import DRAFTERS
+from coordinator.request.api import Statistics
+from coordinator.drafters import registry
 from tools.stream import responses
 
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
-    parser.add_argument("--drafter", choices=DRAFTERS, default=None, help="who drafts (default: the server's)")
+    parser.add_argument("--drafter", choices=registry.names(), default=None, help="who drafts (default: the server's)")
     args = parser.parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     inputs = build_inputs(prompt, args.max_tokens, speculation_window=args.speculation_window,

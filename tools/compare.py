@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             require_matplotlib()
         from tokenizers import Tokenizer
 
-        from coordinator.config import CoordinatorSettings
+        from coordinator.settings import CoordinatorSettings
         from launcher.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir, prepare_model
 
         target_dir = prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")

@@ -8,4 +8,4 @@ for _path in reversed(os.environ.get("SPECDEC_PYTHONPATH", "").split(os.pathsep)
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from coordinator.triton_bls import TritonPythonModel  # noqa: E402,F401
+from coordinator.triton.coordinator_model import TritonPythonModel  # noqa: E402,F401

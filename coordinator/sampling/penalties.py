@@ -20,39 +20,9 @@ numpy only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-
+from dataclasses import replace
 import numpy as np
-
-from coordinator.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class Penalties:
-    repetition: float = 1.0
-    presence: float = 0.0
-    frequency: float = 0.0
-    min_length: int = 0  # generated tokens before the end token may be drawn
-    bad_words: tuple[tuple[int, ...], ...] = ()
-    prompt_length: int = 0  # where generation starts in the sequence min_length counts from
-
-    @property
-    def counts_tokens(self) -> bool:
-        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
-
-    @property
-    def active(self) -> bool:
-        return self.counts_tokens or self.min_length > 0 or bool(self.bad_words)
-
-    def for_call(self, input_length: int) -> "Penalties":
-        """What one engine call is sent: TensorRT-LLM counts min_length from the
-        call's own input, so a call gets what the request still owes."""
-        generated = input_length - self.prompt_length
-        return replace(self, min_length=max(0, self.min_length - generated), prompt_length=input_length)
-
-
-NO_PENALTIES = Penalties()
-
+from coordinator.sampling.params import Penalties, SamplingParams
 
 class History:
     """The tokens a position follows: occurrence counts for the penalties

@@ -13,22 +13,22 @@ tell the difference.
   temperature or top-k/top-p; those process the target's logits only.
 * With k draft tokens the call returns the accepted prefix plus one token of
   the target's own (the correction or the bonus token).
-* Penalties, min_length and bad words (coordinator/penalties.py) process each
+* Penalties, min_length and bad words (coordinator/sampling/penalties.py) process each
   position's logits with the tokens before it, drafted ones included;
   ``generation_logits`` stay the model's raw logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
 import numpy as np
-
-from coordinator.penalties import adjust, history_for, processed_rows
-from coordinator.sampling import (SamplingParams, call_rng, select_token, softmax, token_log_prob, verify_by_matching,
-                                  verify_by_rejection)
-
+from coordinator.sampling.penalties import adjust, history_for, processed_rows
+from coordinator.sampling.params import SamplingParams
+from coordinator.sampling import maths
+from coordinator.sampling.maths import call_rng, select_token, token_log_prob
+from coordinator.verification.outcome import before_end, common_prefix_length
+from coordinator.verification.rules import verify_by_matching, verify_by_rejection
 
 @dataclass(frozen=True)
 class CallResult:
@@ -36,25 +36,6 @@ class CallResult:
     logits: list[np.ndarray]  # one row per returned token
     fed: int  # how many of ``tokens`` went through the model (their KV is in the cache)
     log_probs: list[float] | None = None  # each token's, when the call asked (output_log_probs)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def before_end(tokens: Sequence[int], end_ids: Collection[int]) -> list[int]:
-    """``tokens`` up to (not including) the first end token."""
-    out = []
-    for token in tokens:
-        if token in end_ids:
-            break
-        out.append(int(token))
-    return out
 
 
 class PlainDecoding:
@@ -132,10 +113,9 @@ def verify(
     if draft_logits is None:
         emitted = verify_by_matching(rows, drafts, params, rng)
     else:
-        q = np.stack([softmax(row) for row in np.asarray(draft_logits)])
+        q = np.stack([maths.softmax(row) for row in np.asarray(draft_logits)])
         emitted = verify_by_rejection(rows, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
     fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
     log_probs = [token_log_prob(rows[i], params, t) for i, t in enumerate(tokens)] if params.log_probs else None
     return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed, log_probs)
-

@@ -1,7 +1,7 @@
 """Measure how often the draft predicts the target's greedy token, per draft
 weight quantization: what a cheaper (quantized) draft costs in acceptance.
 
-    python -m cpu_engine.measure_agreement [--schemes none,int8,int4] [--first 0 --last 9]
+    python -m tools.measure_agreement [--schemes none,int8,int4] [--first 0 --last 9]
 
 The target (dtype auto, as configs/cpu.pbtxt loads it) generates ``--tokens``
 greedy tokens for each HumanEval prompt (``--target-tokens FILE`` keeps them
@@ -27,9 +27,6 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from tools.prompts import humaneval_prompts
-from cpu_engine.engine import DTYPES, CausalLMEngine, resolve_dtype
-from cpu_engine.quantize import check_scheme
-from launcher.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir
 
 
 def speculation_rounds(matches: list[bool], window: int) -> tuple[int, int, int]:
@@ -73,6 +70,8 @@ def greedy_argmaxes(model, prompt_ids: list[int], count: int, forced: list[int] 
 def target_tokens(args, prompts) -> dict[str, list[int]]:
     """Greedy target tokens per task. With ``--target-tokens`` they are kept in
     that file after each prompt and reused by the next run with the same settings."""
+    from cpu_engine.engine import DTYPES, resolve_dtype  # the CPU engine: not in the GPU image
+
     settings = {"target_dir": args.target_dir, "tokens": args.tokens}
     path = Path(args.target_tokens) if args.target_tokens else None
     tokens: dict[str, list[int]] = {}
@@ -100,6 +99,12 @@ def target_tokens(args, prompts) -> dict[str, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The CPU engine and the local model cache: imported here, since the GPU image
+    # carries tools/ without them.
+    from cpu_engine.engine import CausalLMEngine
+    from cpu_engine.quantize import check_scheme
+    from launcher.assets import DEFAULT_DRAFT, DEFAULT_TARGET, default_cache_dir
+
     models = default_cache_dir() / "models"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-dir", default=str(models / DEFAULT_TARGET))
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     schemes = [check_scheme(s) for s in args.schemes.split(",")]
 
-    # encoded as the coordinator encodes a prompt (coordinator/tokenizer.py)
+    # encoded as the coordinator encodes a prompt (coordinator/request/tokenizer.py)
     tokenizer = Tokenizer.from_file(f"{args.tokenizer_dir or args.target_dir}/tokenizer.json")
     torch.set_num_threads(args.threads)
     prompts = [(task, tokenizer.encode(prompt, add_special_tokens=True).ids)

@@ -1,10 +1,27 @@
-"""The tensor contract between the coordinator and its engines.
+"""The contract between the coordinator and its engines, in one place.
 
 The engines (``target``, ``draft``) speak the interface of the ``tensorrt_llm``
 model of NVIDIA's Triton TensorRT-LLM backend, so the same coordinator drives
-TensorRT-LLM engines on GPUs and the CPU reference engine here. This module is
-the single list of what the coordinator sends and reads; the config checks
-compare it against every profile's ``config.pbtxt``.
+TensorRT-LLM engines on GPUs and the CPU reference engine here. This module
+holds the three parts of that contract:
+
+* the tensors: what the coordinator sends and reads (the config checks compare
+  them against every profile's ``config.pbtxt``); coordinator/engines/tensors.py
+  packs and unpacks them;
+* the protocol: ``Engine``, what the loop awaits (coordinator/triton/coordinator_model.py
+  implements it over BLS);
+* the semantics the coordinator relies on beyond names and shapes, as
+  TensorRT-LLM 0.17 behaves (trtllm_emulation/ reproduces them for the CPU engine
+  and the tests' fakes):
+  - the end token is neither returned nor counted in ``sequence_length``, so a
+    call that reached the end returns fewer tokens than it otherwise must
+    (coordinator/verification/outcome.py reads the end from the counts);
+  - each call is a new request seeded from its own ``random_seed``;
+  - ``draft_logits`` are read as q = softmax(draft_logits), without the
+    target's temperature or top-k/top-p;
+  - with k draft tokens and ``request_output_len`` k + 1 the target returns the
+    accepted prefix plus one token of its own (coordinator/verification/rules.py
+    names the rule); an empty ``draft_input_ids`` is never sent.
 
 Dims below are the per-request dims declared in the model config (the engines
 have ``max_batch_size`` >= 1, so on the wire each gains a leading batch dim).
@@ -12,8 +29,13 @@ have ``max_batch_size`` >= 1, so on the wire each gains a leading batch dim).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
+
+from coordinator.sampling.params import SamplingParams
 
 NUMPY_TYPES = {"TYPE_STRING": "object", "TYPE_INT32": "int32", "TYPE_UINT64": "uint64", "TYPE_FP32": "float32",
                "TYPE_FP16": "float16", "TYPE_BOOL": "bool"}
@@ -24,7 +46,7 @@ WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_UINT64": "UIN
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor of a model's config: of the engine contract here, of the
-    coordinator's public contract in coordinator/api.py."""
+    coordinator's public contract in coordinator/request/api.py."""
 
     name: str
     data_type: str  # Triton config spelling, e.g. "TYPE_INT32"
@@ -89,3 +111,37 @@ ENGINE_OUTPUTS: dict[str, TensorSpec] = {
 # Engine-side settings the coordinator depends on: it reads ``output_ids`` as
 # the generated tokens only, so every engine must exclude the input.
 REQUIRED_ENGINE_PARAMETERS: dict[str, str] = {"exclude_input_in_output": "true"}
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    tokens: list[int]  # end token excluded or not: the loop copes with both
+    logits: np.ndarray | None = None  # [len(tokens), vocab] raw logits, when asked for
+    log_probs: list[float] | None = None  # each token's (sampling.log_probs), aligned with tokens
+
+
+class Engine(Protocol):
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        draft_tokens: Sequence[int] = (),
+        draft_logits: np.ndarray | None = None,
+        return_logits: bool = False,
+    ) -> EngineOutput:
+        """Generate up to ``max_new_tokens`` after ``input_ids``; with
+        ``draft_tokens`` (k of them, max_new_tokens = k + 1) verify them (by
+        rejection sampling against softmax(``draft_logits``) [k, vocab] when
+        given) and return the accepted prefix plus one token. ``sampling.seed``
+        seeds this call alone."""
+        ...
+
+    def stream(self, input_ids: Sequence[int], max_new_tokens: int,
+               sampling: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Plain decoding in one call: the tokens (and log probabilities) as they are generated."""
+        ...
+
+
+class EngineError(RuntimeError):
+    """An engine failed or answered outside its contract."""

@@ -36,8 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from coordinator.costmodel import MovingAverage, load_bucket, load_label
+from coordinator.policy.costmodel import MovingAverage, load_bucket, load_label
 
 log = logging.getLogger(__name__)
 

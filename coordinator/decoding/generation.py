@@ -7,23 +7,26 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-
-from coordinator.api import Statistics
-from coordinator.config import CoordinatorSettings
-from coordinator.costmodel import CostModel
-from coordinator.drafters import PROMPT_LOOKUP, ModelDrafter, make_drafter
-from coordinator.governor import LoadGovernor
-from coordinator.loop import Engine, speculative_decode, with_deadline
-from coordinator.metrics import RequestMetrics
-from coordinator.policy import SpeculationPolicy
-from coordinator.request import GenerationRequest, check_context, check_end_id, check_prompt_size
+from coordinator.request.api import Statistics
+from coordinator.settings import CoordinatorSettings
+from coordinator.policy.costmodel import CostModel
+from coordinator.drafters import registry
+from coordinator.drafters.base import DrafterOptions
+from coordinator.drafters.registry import PROMPT_LOOKUP
+from coordinator.drafters.draft_model import ModelDrafter
+from coordinator.policy.governor import LoadGovernor
+from coordinator.engines.contract import Engine
+from coordinator.decoding.loop import speculative_decode
+from coordinator.engines.deadline import with_deadline
+from coordinator.response.metrics import RequestMetrics
+from coordinator.policy.speculation import SpeculationPolicy
+from coordinator.request.parse import GenerationRequest, check_context, check_end_id, check_prompt_size
 from coordinator.rounds import Round
-from coordinator.text import CompletionText
-from coordinator.tokenizer import Codec
-
+from coordinator.response.text import CompletionText
+from coordinator.request.tokenizer import Codec
 
 class Stats(Statistics):
-    """Per-request statistics (the public ones, coordinator/api.py), sent with the final response."""
+    """Per-request statistics (the public ones, coordinator/request/api.py), sent with the final response."""
 
     def add(self, round_: Round) -> None:
         self.draft_tokens += round_.drafted
@@ -76,7 +79,6 @@ async def generate_text(
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
     check_end_id(request.end_id, codec.vocab_size)
-    sampling, draft_sampling = engine_sampling(request, codec, len(prompt_ids))
     costs = costs if costs is not None else CostModel()
     policy = SpeculationPolicy(
         request.speculation_window,
@@ -87,30 +89,10 @@ async def generate_text(
         # a request that asked for a fixed window (or none) gets it: the load switch belongs to the adaptive mode
         governor=governor if request.adaptive_window and request.speculation_window > 0 else None,
     )
+    rounds = _rounds(request, codec, prompt_ids, policy, draft=draft, target=target, settings=settings)
     text = CompletionText(codec.decode, request.stop_words)
     stats = Stats()
     log_probs: list[float] | None = [] if request.return_log_probs else None
-    end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
-    drafter = make_drafter(
-        request.drafter or settings.drafter,
-        model=lambda: ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids),
-                                   catch_up_after=policy.max_window + 1,
-                                   deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
-        max_ngram=settings.prompt_lookup_max_ngram,
-        min_ngram=settings.prompt_lookup_min_ngram,
-        min_match=settings.hybrid_min_match,
-    )
-    rounds = speculative_decode(
-        prompt_ids,
-        request.max_tokens,
-        drafter=drafter,
-        target=target,
-        policy=policy,
-        sampling=sampling,
-        end_ids=end_ids,
-        plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
-        draft_distribution=request.draft_distribution,
-    )
     costs.streams += 1  # the load the cost model plans for
     prefilling = governor is not None  # until the first round: the prompt's prefill
     if prefilling:
@@ -143,6 +125,32 @@ async def generate_text(
         if prefilling:  # the request ended before its first token
             governor.prefill_ended()
     yield Chunk(text.append([], final=True), True, stats, log_probs)  # budget of 0 rounds cannot happen; kept for safety
+
+
+def _rounds(request: GenerationRequest, codec: Codec, prompt_ids: list[int], policy: SpeculationPolicy, *,
+            draft: Engine, target: Engine, settings: CoordinatorSettings) -> AsyncIterator[Round]:
+    """The request's decoding loop, with the drafter it named (or the server's)."""
+    sampling, draft_sampling = engine_sampling(request, codec, len(prompt_ids))
+    end_ids = codec.special.eos_token_ids if request.end_id is None else (request.end_id,)
+    drafter = registry.build(request.drafter or settings.drafter, DrafterOptions(
+        model=lambda: ModelDrafter(draft, draft_sampling or sampling, tuple(end_ids),
+                                   catch_up_after=policy.max_window + 1,
+                                   deadline=lambda call: with_deadline(call, settings.draft_timeout_seconds)),
+        max_ngram=settings.prompt_lookup_max_ngram,
+        min_ngram=settings.prompt_lookup_min_ngram,
+        min_match=settings.hybrid_min_match,
+    ))
+    return speculative_decode(
+        prompt_ids,
+        request.max_tokens,
+        drafter=drafter,
+        target=target,
+        policy=policy,
+        sampling=sampling,
+        end_ids=end_ids,
+        plain_stretch=settings.plain_stretch_tokens if settings.engine_decoupled else 1,
+        draft_distribution=request.draft_distribution,
+    )
 
 
 def engine_sampling(request: GenerationRequest, codec: Codec, prompt_length: int):

@@ -8,7 +8,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
 from tokenizers import Tokenizer
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"

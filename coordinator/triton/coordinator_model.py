@@ -2,7 +2,7 @@
 
 ``execute`` is a coroutine and every engine call is an awaited BLS request,
 so one instance serves many streams at once; each request's loop lives in
-``coordinator.generation``.
+``coordinator.decoding.generation``.
 
 Engine calls run ``InferenceRequest.exec`` on a thread pool of their own, and
 every response of a decoupled call is awaited from that pool too, because:
@@ -27,21 +27,19 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from collections.abc import Sequence
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from coordinator.config import CoordinatorSettings
-from coordinator.costmodel import CostModel
-from coordinator.engine_io import REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits, output_log_probs
-from coordinator.generation import Chunk, RequestCancelled, generate_text
-from coordinator.governor import LoadGovernor
-from coordinator.loop import EngineError, EngineOutput
-from coordinator.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
-from coordinator.api import INPUT_NAMES
-from coordinator.request import InputError, check_parameters, parse_request
-from coordinator.sampling import SamplingParams
-from coordinator.tokenizer import Codec, SpecialTokens
+from coordinator.settings import CoordinatorSettings
+from coordinator.policy.costmodel import CostModel
+from coordinator.engines.tensors import (REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits, output_log_probs)
+from coordinator.decoding.generation import Chunk, RequestCancelled, generate_text
+from coordinator.policy.governor import LoadGovernor
+from coordinator.engines.contract import EngineError, EngineOutput
+from coordinator.response.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
+from coordinator.request.api import INPUT_NAMES
+from coordinator.request.parse import InputError, check_parameters, parse_request
+from coordinator.sampling.params import SamplingParams
+from coordinator.request.tokenizer import Codec, SpecialTokens
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

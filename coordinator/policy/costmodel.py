@@ -24,7 +24,7 @@ load) cannot make a short request under light load decide otherwise. Only
 the draft's catch-up price borrows, and only a floor: a shorter context's or
 a lower load's.
 
-Each drafter (coordinator/drafters.py) is priced by its own measured cost c
+Each drafter (coordinator/drafters/) is priced by its own measured cost c
 and its own server-wide acceptance: prompt lookup drafts for almost nothing,
 the draft model for a forward per token.
 """
@@ -32,15 +32,14 @@ the draft model for a forward per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
+from coordinator.drafters import registry
+from coordinator.drafters.registry import DRAFT_MODEL
 from coordinator.rounds import Round
 
-# Before anything is measured: a draft step costs this fraction of a target
-# step and verifying K tokens costs one target step (memory-bound engines).
-# Prompt lookup is a search, not a forward: nothing, next to a target step.
-PRIOR_DRAFT_COST = 0.3
-PRIOR_DRAFT_COSTS = {DRAFT_MODEL: PRIOR_DRAFT_COST, PROMPT_LOOKUP: 0.0}
+# Before anything is measured: a draft step costs its drafter's prior
+# (coordinator/drafters/registry.py; the draft model's below) and verifying K
+# tokens costs one target step (memory-bound engines).
+PRIOR_DRAFT_COST = registry.prior_cost(DRAFT_MODEL)
 PRIOR_VERIFY_COST = 1.0
 EWMA_WEIGHT = 0.1  # weight of a new sample in the moving averages (~10 recent calls)
 # The draft's prompt catch-up is priced once this many have been timed in a
@@ -155,7 +154,7 @@ class Timings:
         plain = self.plain_seconds()
         measured = _values(self.draft.get(drafter, {}))
         if plain is None or not measured:
-            return PRIOR_DRAFT_COSTS.get(drafter, PRIOR_DRAFT_COST)
+            return registry.prior_cost(drafter)
         nearest = _nearest(measured, k)
         return measured[nearest] / nearest / plain
 
@@ -286,4 +285,3 @@ def _values(averages: dict[int, MovingAverage]) -> dict[int, float]:
 
 def _nearest(measured: dict[int, float], k: int) -> int:
     return min(measured, key=lambda n: (abs(n - k), n))
-

@@ -10,14 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-
 import numpy as np
-
-from coordinator.api import INPUT_NAMES
-from coordinator.config import CoordinatorSettings
-from coordinator.drafters import DRAFTERS
-from coordinator.penalties import NO_PENALTIES, Penalties
-from coordinator.sampling import SamplingParams
+from coordinator.request.api import INPUT_NAMES
+from coordinator.settings import CoordinatorSettings
+from coordinator.drafters import registry
+from coordinator.sampling.params import NO_PENALTIES, Penalties
+from coordinator.sampling.params import SamplingParams
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256
@@ -78,7 +76,41 @@ def parse_request(
         settings.speculation_window,
         limit_name="the server's speculation_window",
     )
+    sampling, draft_sampling = _sampling(inputs, new_seed)
+    bad_words = _stop_words(inputs.get("bad_words"), "bad_words")
+    penalties = _penalties(inputs, settings)
+    drafter_value = _scalar(inputs, "drafter")
+    drafter = settings.drafter if drafter_value is None else _utf8("drafter", drafter_value)
+    if drafter not in registry.names():
+        raise InputError(f"drafter must be one of {', '.join(registry.names())}, got {drafter!r}")
+    if (penalties.active or bad_words) and not settings.speculate_with_penalties:
+        window = 0  # this server's engines are not known to verify such requests losslessly
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        speculation_window=window,
+        sampling=sampling,
+        adaptive_window=_flag(inputs, "adaptive_window", settings.adaptive_window),
+        draft_sampling=draft_sampling,
+        stop_words=_stop_words(inputs.get("stop_words")),
+        stream=_flag(inputs, "stream", False),
+        drafter=drafter,
+        end_id=sampling.end_id,
+        draft_distribution=_flag(inputs, "use_draft_logits", True),
+        penalties=penalties,
+        bad_word_texts=bad_words,
+        return_log_probs=_flag(inputs, "return_log_probs", False),
+    )
 
+
+def _flag(inputs: Mapping[str, np.ndarray | None], name: str, default: bool) -> bool:
+    value = _scalar(inputs, name)
+    return default if value is None else bool(value)
+
+
+def _sampling(inputs: Mapping[str, np.ndarray | None],
+              new_seed: Callable[[], int]) -> tuple[SamplingParams, SamplingParams | None]:
+    """The target's sampling settings, and the draft's where its temperature differs."""
     temperature = _float(inputs, "temperature", 0.0)
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise InputError(f"temperature must be between 0 and {MAX_TEMPERATURE:g} (0 = greedy), got {temperature:g}")
@@ -97,9 +129,15 @@ def parse_request(
     seed = int(seed_value) if seed_value is not None else new_seed()
     if not 0 <= seed < 2**64:
         raise InputError(f"random_seed must be between 0 and 2^64-1, got {seed}")
+    end_id = _int_in_range(inputs, "end_id", -1, 0, 2**31 - 1)
+    end_id = None if end_id < 0 else end_id  # checked against the vocabulary where the tokenizer is known
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, end_id=end_id)
+    if draft_temperature == temperature:
+        return sampling, None
+    return sampling, SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed, end_id=end_id)
 
-    stop_words = _stop_words(inputs.get("stop_words"))
-    bad_words = _stop_words(inputs.get("bad_words"), "bad_words")
+
+def _penalties(inputs: Mapping[str, np.ndarray | None], settings: CoordinatorSettings) -> Penalties:
     repetition = _float(inputs, "repetition_penalty", 1.0)
     if not 0.0 < repetition <= MAX_PENALTY:
         raise InputError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}] (1 = none), got {repetition:g}")
@@ -109,45 +147,7 @@ def parse_request(
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise InputError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g} (0 = none), got {value:g}")
     min_length = _int_in_range(inputs, "min_length", 0, 0, settings.max_tokens_limit)
-    penalties = Penalties(repetition=repetition, presence=presence, frequency=frequency, min_length=min_length)
-    stream_value = _scalar(inputs, "stream")
-    stream = bool(stream_value) if stream_value is not None else False
-    adaptive_value = _scalar(inputs, "adaptive_window")
-    adaptive = bool(adaptive_value) if adaptive_value is not None else settings.adaptive_window
-
-    drafter_value = _scalar(inputs, "drafter")
-    drafter = settings.drafter if drafter_value is None else _utf8("drafter", drafter_value)
-    if drafter not in DRAFTERS:
-        raise InputError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-
-    end_id = _int_in_range(inputs, "end_id", -1, 0, 2**31 - 1)
-    end_id = None if end_id < 0 else end_id  # checked against the vocabulary where the tokenizer is known
-    draft_logits_value = _scalar(inputs, "use_draft_logits")
-    draft_distribution = True if draft_logits_value is None else bool(draft_logits_value)
-
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, end_id=end_id)
-    draft_sampling = None
-    if draft_temperature != temperature:
-        draft_sampling = SamplingParams(temperature=draft_temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                        end_id=end_id)
-    if (penalties.active or bad_words) and not settings.speculate_with_penalties:
-        window = 0  # this server's engines are not known to verify such requests losslessly
-    return GenerationRequest(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        speculation_window=window,
-        sampling=sampling,
-        adaptive_window=adaptive,
-        draft_sampling=draft_sampling,
-        stop_words=stop_words,
-        stream=stream,
-        drafter=drafter,
-        end_id=end_id,
-        draft_distribution=draft_distribution,
-        penalties=penalties,
-        bad_word_texts=bad_words,
-        return_log_probs=bool(_scalar(inputs, "return_log_probs") or False),
-    )
+    return Penalties(repetition=repetition, presence=presence, frequency=frequency, min_length=min_length)
 
 
 def check_parameters(parameters: Mapping[str, object]) -> None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-
 import numpy as np
-
-from coordinator.contract import TensorSpec
+from coordinator.engines.contract import TensorSpec
 
 INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_input", "TYPE_STRING", (1,), "the prompt", optional=False),

@@ -10,10 +10,9 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-
-from coordinator.contract import SEED_INPUT_NAMES
-from coordinator.drafters import DRAFTERS
-from coordinator.policy import PolicySettings
+from coordinator.engines.contract import SEED_INPUT_NAMES
+from coordinator.drafters import registry
+from coordinator.policy.speculation import PolicySettings
 
 MAX_NGRAM = 16  # longest prompt lookup n-gram accepted
 
@@ -64,7 +63,7 @@ class CoordinatorSettings:
     # Longer stretches save round trips; a client that cancels or hits a stop
     # word wastes at most this many tokens of target work.
     plain_stretch_tokens: int = 16
-    # Who drafts when a request does not say (coordinator/drafters.py):
+    # Who drafts when a request does not say (coordinator/drafters/):
     # draft_model, prompt_lookup (n-gram match over the prompt and the text so
     # far, no model) or hybrid (prompt lookup or the draft model, whichever is
     # predicted faster, where the last hybrid_min_match tokens occurred before;
@@ -84,7 +83,7 @@ class CoordinatorSettings:
     # engine does (tests/test_penalties.py); on a TensorRT-LLM engine check it
     # first (docs/gpu.md). false: such requests decode with the target alone.
     speculate_with_penalties: bool = True
-    # The speculation policy's tuning values (coordinator/policy.py): set with
+    # The speculation policy's tuning values (coordinator/policy/speculation.py): set with
     # parameters of their own names (history_tokens, min_evidence, ...).
     policy: PolicySettings = field(default_factory=PolicySettings)
 
@@ -112,8 +111,8 @@ class CoordinatorSettings:
             )
         if self.plain_stretch_tokens < 1:
             raise SettingsError(f"plain_stretch_tokens must be at least 1, got {self.plain_stretch_tokens}")
-        if self.drafter not in DRAFTERS:
-            raise SettingsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.drafter not in registry.names():
+            raise SettingsError(f"drafter must be one of {', '.join(registry.names())}, got {self.drafter!r}")
         if not 1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram <= MAX_NGRAM:
             raise SettingsError(
                 f"prompt_lookup_min_ngram and prompt_lookup_max_ngram must satisfy 1 <= min <= max <= {MAX_NGRAM}, "

@@ -3,7 +3,7 @@ interface in front of the ``coordinator`` model (a thin shim).
 
 Each batch item becomes one BLS request to ``coordinator``, so speculative
 decoding, its settings and its server-wide cost model live in one place;
-this model only translates (``coordinator/nvidia.py``) and shapes answers as
+this model only translates (``coordinator/request/nvidia.py``) and shapes answers as
 NVIDIA's BLS model does: ``text_output`` [1] per response, ``batch_index``
 and ``sequence_index`` [1, 1], the prompt in front of a non-streamed text
 unless ``exclude_input_in_output``. The ``ensemble`` model is a Triton
@@ -15,15 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from coordinator import nvidia
-from coordinator.api import LOG_PROBS, OUTPUTS as COORDINATOR_OUTPUTS, STATISTICS
-from coordinator.loop import EngineError
-from coordinator.request import InputError
-from coordinator.triton_bls import bls_responses
+from coordinator.request import nvidia
+from coordinator.request.api import LOG_PROBS, OUTPUTS as COORDINATOR_OUTPUTS, STATISTICS
+from coordinator.engines.contract import EngineError
+from coordinator.request.parse import InputError
+from coordinator.triton.coordinator_model import bls_responses
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

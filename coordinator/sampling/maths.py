@@ -1,63 +1,19 @@
-"""Token selection maths: logits processing, seeded sampling, speculative
-acceptance, and what the coordinator sends so that an engine verifies
-losslessly. numpy only, so it is tested in milliseconds and runs unchanged
-inside any engine.
-
-Random state follows the tensorrtllm backend: every engine call is a new
-request whose random numbers come from that call's seed alone, drawn in
-order (TensorRT-LLM seeds curand once per request from ``random_seed``). The
-coordinator therefore gives every call its own seed, derived from the
-request's seed, the call's absolute position and its role (``call_seed``), so
-no two calls of a request share a stream and the same request seed still
-gives the same text.
+"""Token selection maths: logits processing, seeded sampling and the draft
+distribution the coordinator sends so that an engine verifies losslessly.
+numpy only, so it is tested in milliseconds and runs unchanged inside any
+engine (the acceptance rules that use it: coordinator/verification/rules.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-import struct
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from coordinator.penalties import Penalties
-
-ROLES = ("draft", "target")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings as the engines receive them (tensorrtllm names)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0: no top-k filter; 1: greedy
-    top_p: float = 1.0  # 1.0: no nucleus filter
-    seed: int = 0
-    end_id: int | None = None  # the engine's end token (None: the model's own)
-    penalties: Penalties | None = None  # context-dependent processing (coordinator/penalties.py)
-    log_probs: bool = False  # the engine reports each generated token's log probability
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
-
+from coordinator.sampling.params import SamplingParams
 
 _PLAIN = SamplingParams(temperature=1.0)  # no temperature scaling, no filters
-
-
-def call_seed(request_seed: int, position: int, role: str) -> int:
-    """The seed of one engine call: a 64-bit hash of (request seed, absolute
-    position of the call's first new token, role).
-
-    Positions only grow within a request and each role makes one call per
-    position, so every call of a request draws from a stream of its own."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    key = struct.pack("<QQ", int(request_seed) % 2**64, int(position)) + role.encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"specdec-seed").digest(), "little")
 
 
 class Uniforms(Protocol):
@@ -162,67 +118,6 @@ def select_token(logits: np.ndarray, params: SamplingParams, rng: Uniforms) -> i
     if params.greedy:
         return int(np.argmax(_scores(logits)))
     return inverse_cdf(processed_probs(logits, params), rng.random())
-
-
-def accept_or_correct(p: np.ndarray, q: np.ndarray, token: int, rng: Uniforms) -> int | None:
-    """One step of speculative rejection sampling (Leviathan et al.; Chen et al.).
-
-    Accept the draft's ``token`` with probability min(1, p(token)/q(token)):
-    returns None. Otherwise returns a sample of normalise(max(0, p - q)), the
-    correction. Over the draft's choice (``token`` ~ q) the result is
-    distributed exactly as p, whatever q is. One uniform for the test and,
-    after a rejection, one for the correction, both fresh from ``rng``.
-    """
-    if q[token] > 0.0 and rng.random() * q[token] < p[token]:
-        return None
-    residual = np.maximum(p - q, 0.0)
-    if not residual.sum() > 0.0:  # p == q: a rejection cannot happen, but be safe
-        residual = p
-    return inverse_cdf(residual / residual.sum(), rng.random())
-
-
-def verify_by_matching(
-    target_logits: np.ndarray, draft_tokens: list[int], params: SamplingParams, rng: Uniforms
-) -> list[int]:
-    """Token-matching verification (no draft distribution given).
-
-    ``target_logits[i]`` predicts the position of ``draft_tokens[i]``. The
-    target samples each position; its token is accepted while it equals the
-    draft's. Returns the accepted prefix plus one token of the target's own.
-    Lossless for any draft: every emitted token is the target's own sample.
-    """
-    emitted: list[int] = []
-    for i in range(len(draft_tokens) + 1):
-        token = select_token(target_logits[i], params, rng)
-        emitted.append(token)
-        if i == len(draft_tokens) or token != draft_tokens[i]:
-            break
-    return emitted
-
-
-def verify_by_rejection(
-    target_logits: np.ndarray,
-    draft_probs: np.ndarray,
-    draft_tokens: list[int],
-    params: SamplingParams,
-    rng: Uniforms,
-) -> list[int]:
-    """Rejection-sampling verification against the draft's distribution q.
-
-    ``draft_probs[i]`` is q for the position of ``draft_tokens[i]``; p is
-    the target's processed distribution. Returns the accepted prefix plus the
-    correction after the first rejection, or plus a bonus sample of p when
-    all are accepted: distributed exactly as the target's sampler.
-    """
-    emitted: list[int] = []
-    for i, token in enumerate(draft_tokens):
-        correction = accept_or_correct(processed_probs(target_logits[i], params), draft_probs[i], int(token), rng)
-        if correction is not None:
-            emitted.append(correction)
-            return emitted
-        emitted.append(int(token))
-    emitted.append(select_token(target_logits[len(draft_tokens)], params, rng))
-    return emitted
 
 
 def draft_log_probs(draft_logits: np.ndarray, draft_params: SamplingParams) -> np.ndarray:

@@ -5,7 +5,7 @@ unchanged.
 
 Pure numpy: ``translate`` turns one request's input tensors (leading batch
 dim, NVIDIA's names) into one coordinator request per batch item; the Triton
-adapter (``coordinator/triton_nvidia.py``) sends them and shapes the answers.
+adapter (``coordinator/triton/tensorrt_llm_bls_model.py``) sends them and shapes the answers.
 Every input NVIDIA defines is declared: the ones this server implements are
 mapped, the ones that cannot change a text output here are accepted, and the
 rest are refused by name whenever a request sets them to anything but their
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
 import numpy as np
-
-from coordinator.api import STATISTICS
-from coordinator.contract import TensorSpec
-from coordinator.request import InputError
+from coordinator.request.api import STATISTICS
+from coordinator.engines.contract import TensorSpec
+from coordinator.request.parse import InputError
 
 COORDINATOR_MODEL = "coordinator"
 

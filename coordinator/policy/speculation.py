@@ -34,11 +34,11 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
 5. The first round is a plain target step (``first_round_plain``): the
    prompt's prefill is then the only work before the first token, so time to
    first token is that of plain decoding; the draft catches up in round two.
-6. Load (``governor``, coordinator/governor.py): while the server has measured
+6. Load (``governor``, coordinator/policy/governor.py): while the server has measured
    that plain decoding serves more tokens per second at the current load, the
    request decodes plainly (held back, not a fallback: it speculates again as
    soon as the server's regime at its load does).
-7. Drafters (coordinator/drafters.py). Where a request's drafter could
+7. Drafters (coordinator/drafters/). Where a request's drafter could
    propose with more than one (a hybrid: prompt lookup where the text repeats
    itself, the draft model everywhere), ``plan`` prices each by its own
    acceptance and cost and takes the one predicted to serve more tokens per
@@ -63,12 +63,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-
-from coordinator.costmodel import CostModel
-from coordinator.drafters import DRAFT_MODEL, FREE_DRAFTERS
-from coordinator.governor import LoadGovernor
+from coordinator.policy.costmodel import CostModel
+from coordinator.drafters import registry
+from coordinator.drafters.registry import DRAFT_MODEL
+from coordinator.policy.governor import LoadGovernor
 from coordinator.rounds import Round
-
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
 
@@ -84,7 +83,7 @@ class Mode(str, Enum):
 class PolicySettings:
     """The rule's tuning values (the numbered rule above names each). The
     server sets them with coordinator parameters of the same names
-    (coordinator/config.py); the defaults are here and nowhere else."""
+    (coordinator/settings.py); the defaults are here and nowhere else."""
 
     history_tokens: int = 32  # drafted tokens the rolling acceptance looks back over
     min_evidence: int = 8  # drafted tokens before the rolling acceptance (or the probes) may decide
@@ -147,7 +146,7 @@ class SpeculationPolicy:
         choice, best_k, best = (candidates[0] if candidates else DRAFT_MODEL), 0, 0.0
         for name in candidates:
             k, speedup = self._offer(context, name)
-            if (k > 0 and name in FREE_DRAFTERS and name == candidates[0]
+            if (k > 0 and registry.is_free(name) and name == candidates[0]
                     and self._drafted(name) < self.settings.min_evidence):
                 # Free to try, and how well it does depends on the text far more than on
                 # other requests: where it is the drafter preferred here (the others would
@@ -170,7 +169,7 @@ class SpeculationPolicy:
         self._context = context
         if self.max_window <= 0 or (self.first_round_plain and self._rounds == 0) or self.held_back:
             return 0, 1.0
-        free = drafter in FREE_DRAFTERS
+        free = registry.is_free(drafter)
         if not free:
             if self.mode is Mode.DRAFT_FAILED:
                 return 0, 1.0
@@ -268,8 +267,13 @@ class SpeculationPolicy:
 
     @property
     def held_back(self) -> bool:
-        """The server measured plain decoding faster at the current load (coordinator/governor.py)."""
+        """The server measured plain decoding faster at the current load (coordinator/policy/governor.py)."""
         return self.governor is not None and not self.governor.speculation_allowed(self.costs.streams)
+
+    @property
+    def draft_model_failed(self) -> bool:
+        """The draft engine failed this request: the target decodes alone."""
+        return self.mode is Mode.DRAFT_FAILED
 
     @property
     def speculating(self) -> bool:
@@ -307,7 +311,7 @@ class SpeculationPolicy:
         if drafted <= 0:
             return
         self._remember(drafted, accepted, drafter)
-        if drafter in FREE_DRAFTERS or self.mode is Mode.DRAFT_FAILED:
+        if registry.is_free(drafter) or self.mode is Mode.DRAFT_FAILED:
             return
         if self.mode is Mode.SPECULATING:
             rate = self.recent_acceptance(drafter)

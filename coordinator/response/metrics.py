@@ -11,12 +11,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-from coordinator.config import MAX_SPECULATION_WINDOW
-from coordinator.costmodel import (CONTEXT_BUCKETS, LOAD_BUCKETS, CostModel, context_bucket, context_label,
-                                   load_bucket, load_label)
-from coordinator.drafters import DRAFT_MODEL, PROMPT_LOOKUP
-from coordinator.policy import Mode
+from coordinator.settings import MAX_SPECULATION_WINDOW
+from coordinator.policy.costmodel import (CONTEXT_BUCKETS, LOAD_BUCKETS, CostModel, context_bucket, context_label, load_bucket, load_label)
+from coordinator.drafters import registry
+from coordinator.drafters.registry import DRAFT_MODEL
+from coordinator.policy.speculation import Mode
 from coordinator.rounds import Round
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -39,16 +38,22 @@ def _spec(name, kind, description, labels=(), buckets=None) -> MetricSpec:
     return MetricSpec(name, kind, description, tuple(labels), None if buckets is None else tuple(buckets))
 
 
-DRAFT_TOKENS = {
-    drafter: _spec("specdec_draft_tokens_total", COUNTER, "Draft tokens proposed to the target, by drafter",
-                   [("drafter", drafter)])
-    for drafter in (DRAFT_MODEL, PROMPT_LOOKUP)
-}
-ACCEPTED_TOKENS = {
-    drafter: _spec("specdec_accepted_draft_tokens_total", COUNTER, "Draft tokens the target accepted, by drafter",
-                   [("drafter", drafter)])
-    for drafter in (DRAFT_MODEL, PROMPT_LOOKUP)
-}
+class PerDrafter:
+    """One labelled series per drafter that proposes (coordinator/drafters/registry.py):
+    read when the recorder starts, so a drafter added to the registry is counted."""
+
+    def __init__(self, name: str, description: str):
+        self.name, self.description = name, description
+
+    def __getitem__(self, drafter: str) -> MetricSpec:
+        return _spec(self.name, COUNTER, self.description, [("drafter", drafter)])
+
+    def values(self) -> list[MetricSpec]:
+        return [self[drafter] for drafter in registry.proposers()]
+
+
+DRAFT_TOKENS = PerDrafter("specdec_draft_tokens_total", "Draft tokens proposed to the target, by drafter")
+ACCEPTED_TOKENS = PerDrafter("specdec_accepted_draft_tokens_total", "Draft tokens the target accepted, by drafter")
 # Per draft position (0 = the first drafted token of a round), as vLLM exposes
 # them: where in the window acceptance runs out.
 DRAFTED_AT = {
@@ -124,9 +129,12 @@ INTER_TOKEN_LATENCY = _spec(
     buckets=LATENCY_BUCKETS,
 )
 
-ALL_SPECS = (
-    *DRAFT_TOKENS.values(),
-    *ACCEPTED_TOKENS.values(),
+def all_specs() -> tuple[MetricSpec, ...]:
+    """Every series the coordinator exports."""
+    return (*DRAFT_TOKENS.values(), *ACCEPTED_TOKENS.values(), *FIXED_SPECS)
+
+
+FIXED_SPECS = (
     *DRAFTED_AT.values(),
     *ACCEPTED_AT.values(),
     EMITTED_TOKENS,
@@ -163,7 +171,7 @@ class MetricsRecorder:
     def __init__(self, make: Callable[[MetricSpec], Instrument], clock: Callable[[], float] = time.monotonic,
                  costs: CostModel | None = None):
         """``costs``: the server-wide cost model whose estimates the gauges show."""
-        self.instruments = {spec: make(spec) for spec in ALL_SPECS}
+        self.instruments = {spec: make(spec) for spec in all_specs()}
         self.clock = clock
         self.costs = costs if costs is not None else CostModel()
         self._fallback: set[int] = set()

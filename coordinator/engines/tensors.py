@@ -5,12 +5,10 @@ Pure numpy: the BLS adapter wraps these arrays in Triton tensors."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 import numpy as np
-
-from coordinator.contract import ENGINE_INPUTS
-from coordinator.penalties import word_list
-from coordinator.sampling import SamplingParams
+from coordinator.engines.contract import ENGINE_INPUTS
+from coordinator.sampling.penalties import word_list
+from coordinator.sampling.params import SamplingParams
 
 REQUESTED_OUTPUTS = ("output_ids", "sequence_length")
 
