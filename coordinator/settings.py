@@ -80,7 +80,7 @@ class CoordinatorSettings:
     # Whether requests with penalties, min_length or bad_words speculate. That
     # is lossless only if the target engine processes each verified position
     # with the drafted tokens before it, as plain decoding would: the CPU
-    # engine does (tests/test_penalties.py); on a TensorRT-LLM engine check it
+    # engine does (tests/unit/test_penalties.py); on a TensorRT-LLM engine check it
     # first (docs/gpu.md). false: such requests decode with the target alone.
     speculate_with_penalties: bool = True
     # The speculation policy's tuning values (coordinator/policy/speculation.py): set with

@@ -25,7 +25,7 @@ straddles a KEY_BLOCK boundary takes one pass per length. Other rows only
 change other rows of the matmuls and masked-out keys, whose scores become
 -inf and whose values are multiplied by exact zeros: a row's output is bitwise
 the same alone, in a verification block, in a prompt's prefill, or next to
-other sequences. tests/test_attention.py checks this on random tensors and on
+other sequences. tests/unit/test_attention.py checks this on random tensors and on
 the real target. (The linear layers' side of the same promise is measured at
 start-up: cpu_engine/rows.py.)
 

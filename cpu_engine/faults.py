@@ -20,7 +20,7 @@ sends one on purpose: every other request on the same server is served
 normally.
 
 Nothing in this repository's launch paths, images or manifests sets these
-variables (tests/test_faults.py checks it); setting
+variables (tests/unit/test_faults.py checks it); setting
 ``SPECDEC_FAULT_INJECTION`` without the second variable makes the engine
 refuse to load, so a stray setting is loud, never silently active.
 """

@@ -78,7 +78,7 @@ fi
 # key comes from SPECDEC_ADMIN_KEY (Kubernetes: the Secret triton-specdec-admin);
 # without it a random key is made for this run and shown nowhere, which closes
 # the admin APIs. The list equals RESTRICTED_APIS in launcher/launch.py
-# (the cpu image's launcher; tests/test_security_config.py keeps them equal).
+# (the cpu image's launcher; tests/unit/test_security_config.py keeps them equal).
 RESTRICTED_APIS="model-repository,model-config,shared-memory,statistics,trace,logging"
 ADMIN_KEY_HEADER="specdec-admin-key"
 admin_key="${SPECDEC_ADMIN_KEY:-}"

@@ -10,7 +10,7 @@ the reserved seeds in ``FAULT_SEEDS`` (>= 2^63; requests without a seed get
 one below 2^63). Every other request is served exactly as in production, so
 one server covers the ordinary and the failure tests (a second server would
 need another ~6 GB and a minute or more). The tests that kill its engines
-(tests/test_server_selfheal.py) run last."""
+(tests/server/test_server_selfheal.py) run last."""
 
 from __future__ import annotations
 
@@ -106,8 +106,18 @@ def real_target_dir() -> Path:
     return prepare_model(DEFAULT_TARGET, default_cache_dir(), "target")
 
 
+SLOW_FOLDER = Path(__file__).resolve().parent / "server"
+
+
 def pytest_collection_modifyitems(items):
-    """The tests that kill the session server's engines run after all others."""
+    """The folders and the ``slow`` marker say the same: tests/server/ holds the
+    tests that start a real tritonserver or load the real model pair (all
+    ``slow``), tests/unit/ the fast ones (none). The tests that kill the session
+    server's engines run after all others."""
+    misplaced = [item.nodeid for item in items
+                 if (item.get_closest_marker("slow") is not None) != (SLOW_FOLDER in Path(item.fspath).parents)]
+    if misplaced:
+        raise pytest.UsageError("a slow test outside tests/server/ or a fast one inside it: " + ", ".join(misplaced))
     items.sort(key=lambda item: item.get_closest_marker("kills_engines") is not None)
 
 

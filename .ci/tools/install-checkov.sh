@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs checkov, the policy scanner run over the rendered Kubernetes manifests
-# (tests/test_k8s.py), into its own virtual environment .venv-tools/checkov:
+# (tests/unit/test_k8s.py), into its own virtual environment .venv-tools/checkov:
 # checkov pins dozens of packages that clash with the project's runtime pins.
 # Idempotent: returns at once when this version is already installed.
 set -euo pipefail

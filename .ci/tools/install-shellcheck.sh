@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs shellcheck (used by tests/test_lint.py) from the Debian archive.
+# Installs shellcheck (used by tests/unit/test_lint.py) from the Debian archive.
 # Idempotent and fast when it is already installed: it only checks `command -v`.
 # Needs root (or passwordless sudo) the first time; `apt-get update` runs only
 # when the package index does not know the package yet.

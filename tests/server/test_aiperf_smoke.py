@@ -4,7 +4,7 @@ requests at concurrency 1 of 16 tokens, speculation on and off, over Triton's
 generate_stream. Zero errors, one side-by-side row, and the off run's requests
 carry ``speculation_window`` 0. The OpenAI endpoints AIPerf's chat and
 completions modes call are driven by the ``openai`` package in
-tests/test_openai_api.py; `make aiperf` runs AIPerf over them (docs/aiperf.md)."""
+tests/server/test_openai_api.py; `make aiperf` runs AIPerf over them (docs/aiperf.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from tools import aiperf_sweep
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 2
 
 

@@ -19,7 +19,7 @@ from coordinator.request.parse import GenerationRequest, InputError
 from coordinator.sampling.params import SamplingParams
 from coordinator.request.tokenizer import Codec, SpecialTokens
 from tests.fakes import ToyEngine, toy_logits
-from tests.test_metrics import Fake as FakeInstrument
+from tests.unit.test_metrics import Fake as FakeInstrument
 
 GREEDY = SamplingParams()
 

@@ -7,7 +7,7 @@ import pytest
 
 from cpu_engine.threads import apply_spin_count, spin_count_variable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_models_own_spin_count_becomes_libgomps():

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from launcher import launch, shm_regions
-from tests.test_security_config import fake_install
+from tests.unit.test_security_config import fake_install
 
 
 def _dead_pid() -> int:

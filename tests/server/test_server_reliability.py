@@ -458,7 +458,7 @@ def test_eight_concurrent_greedy_streams_equal_plain_decoding(triton_server):
     kwargs = dict(max_tokens=32, speculation_window=4, adaptive_window=False)
     # The reference: the same eight prompts decoded plainly, also in a crowd of
     # eight (in-flight batching gives each sequence bitwise what it gets alone:
-    # tests/test_attention.py on the real target), so the reference costs
+    # tests/unit/test_attention.py on the real target), so the reference costs
     # 32 batched forwards instead of eight requests one after another.
     plain = concurrently(triton_server, [(p, dict(max_tokens=32, speculation_window=0)) for p in prompts])
     together = concurrently(triton_server, [(p, kwargs) for p in prompts])

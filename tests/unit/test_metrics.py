@@ -111,7 +111,7 @@ def test_the_documented_promql_examples_parse_and_use_exported_names():
 
     import promql_parser
 
-    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
     block = reference.split("Example PromQL:", 1)[1].split("```", 2)[1]
     queries = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(queries) >= 3
@@ -128,7 +128,7 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
 
     import yaml
 
-    rules_file = Path(__file__).resolve().parents[1] / "k8s" / "base" / "prometheusrule.yaml"
+    rules_file = Path(__file__).resolve().parents[2] / "k8s" / "base" / "prometheusrule.yaml"
     rules = [r for group in yaml.safe_load(rules_file.read_text())["spec"]["groups"] for r in group["rules"]]
     recorded = {r["record"] for r in rules if "record" in r}
     from selfheal.exposition import METRICS as WATCHDOG_METRICS

@@ -2,7 +2,7 @@
 per-step report, the timed gRPC stream and whole locust runs (local and
 master/worker) against loadtests/fake_triton.py, a stand-in that speaks the
 coordinator's streaming contract and misbehaves on request. The run against
-the real server is tests/test_loadtest_smoke.py (slow)."""
+the real server is tests/server/test_loadtest_smoke.py (slow)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from loadtests import fake_triton, report, workload
 from loadtests.grpc_stream import RequestFailed, Timing, timed_completion
 from tests.conftest import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
 LOCUST = Path(sys.executable).parent / "locust"
 REQUEST_NAMES = {(kind, name) for kind in ("ttft", "itl", "completion") for name in ("spec", "plain")}

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 OVERLAYS = ("cpu", "a100", "h100")
 GPU_OVERLAYS = ("a100", "h100")
@@ -511,7 +511,7 @@ def test_engine_build_matches_the_trtllm_configs(overlay):
 def test_admin_apis_need_a_key_from_a_secret(overlay):
     """The key comes from the Secret (required on GPUs; optional on the cpu
     overlay, whose launcher then makes a random one). The images' entry points
-    turn it into tritonserver's restricted-API flags (tests/test_security_config.py),
+    turn it into tritonserver's restricted-API flags (tests/unit/test_security_config.py),
     so the manifests pass only the key, never the flags or the value."""
     triton = container(pod_spec(deployment(render(f"overlays/{overlay}"))), "triton")
     env = {e["name"]: e for e in triton["env"]}

@@ -1,7 +1,7 @@
 """The OpenAI frontend's HTTP layer (frontend/openai_server.py) on a fake
 coordinator: status codes and error bodies in OpenAI's format (never
 FastAPI's 422), what reaches the coordinator, and the SSE stream. Fast; the
-real server is tests/test_openai_api.py."""
+real server is tests/server/test_openai_api.py."""
 
 from __future__ import annotations
 

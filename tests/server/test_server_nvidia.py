@@ -11,7 +11,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.server_client import complete, engine_responses
-from tests.test_nvidia_interface import client_inputs
+from tests.unit.test_nvidia_interface import client_inputs
 
 pytestmark = pytest.mark.slow
 

@@ -146,7 +146,7 @@ def test_greedy_speculation_equals_the_targets_own_transformers_generation(trito
 SAMPLED_PROMPT = "# a random fruit name\nfruit = \""
 # One sampling setting through the server (over a minute a setting on an
 # AVX2-only 2-vCPU machine); the same maths at other settings and high power
-# run in tests/test_rejection_sampling.py and tests/test_trtllm_semantics.py.
+# run in tests/unit/test_rejection_sampling.py and tests/unit/test_trtllm_semantics.py.
 SAMPLINGS = {"temperature_0.7_top_k_20": dict(temperature=0.7, top_k=20)}
 N_SAMPLES = 64
 TOP = 20  # cells of their own: the TOP likeliest first tokens, and for each the TOP likeliest second tokens
@@ -215,8 +215,8 @@ def test_seeded_speculative_sampling_is_distributed_as_plain_sampling(triton_ser
     A wiring check through Triton (seeds, log q as FP32 tensors with -inf,
     rows in the right order): with N_SAMPLES requests per mode it catches
     gross errors only; the high-power checks of the same maths run in
-    tests/test_rejection_sampling.py and, on two real tiny models through the
-    CPU engine, tests/test_trtllm_semantics.py."""
+    tests/unit/test_rejection_sampling.py and, on two real tiny models through the
+    CPU engine, tests/unit/test_trtllm_semantics.py."""
     sampling = SAMPLINGS[name]
     params = SamplingParams(**sampling)
     cells = exact_first_two(triton_server, tokenizer.encode(SAMPLED_PROMPT).ids, params)

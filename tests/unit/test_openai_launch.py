@@ -66,7 +66,7 @@ def test_waiting_for_a_frontend_that_exits_fails_fast():
 
 # ------------------------------------------- the trtllm image's entrypoint ----
 
-ENTRYPOINT = Path(__file__).resolve().parents[1] / "docker" / "trtllm-entrypoint.sh"
+ENTRYPOINT = Path(__file__).resolve().parents[2] / "docker" / "trtllm-entrypoint.sh"
 FAKE = """#!/bin/bash
 echo "{name} $*" >> "$LOG"
 sleep "${{{var}_SECONDS:-30}}" > /dev/null 2>&1 &

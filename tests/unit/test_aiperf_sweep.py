@@ -15,7 +15,7 @@ import pytest
 from tools import aiperf_sweep
 from tools.aiperf_table import ExportError, Run, build_rows, has_errors, markdown, run_metrics
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")

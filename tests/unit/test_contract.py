@@ -143,7 +143,7 @@ def test_the_reference_documents_every_input_and_output():
     import re
     from pathlib import Path
 
-    reference = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
     # names in the first cell of a table row ("| `a`, `b` | ...")
     rows = {name for line in reference.splitlines() if line.startswith("| `")
             for name in re.findall(r"`([^`]+)`", line.split("|")[1])}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
 REQUEST_NAMES = {(kind, name) for kind in ("ttft", "itl", "completion") for name in ("spec", "plain")}
 

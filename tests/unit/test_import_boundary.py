@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "coordinator"
 ADAPTERS = PACKAGE / "triton"  # the Triton shims of the coordinator and tensorrt_llm_bls models
 PURE_PACKAGES = (PACKAGE, ROOT / "trtllm_emulation")

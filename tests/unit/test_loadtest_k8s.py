@@ -1,5 +1,5 @@
 """Offline checks of k8s/loadtest (distributed locust: master Job, worker Job),
-in the style of tests/test_k8s.py and with its helpers: rendered by the pinned
+in the style of tests/unit/test_k8s.py and with its helpers: rendered by the pinned
 kubectl's kustomize, validated strictly against the Kubernetes OpenAPI schemas,
 checkov-clean, and wired consistently to each other, to the server's manifests
 (k8s/overlays/cpu) and to the locustfile's options and image."""
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from loadtests import workload
-from tests.test_k8s import (
+from tests.unit.test_k8s import (
     ALLOWED_CHECKOV_SKIPS,
     CHECKOV,
     IMAGE_REPOSITORY,
@@ -31,7 +31,7 @@ from tests.test_k8s import (
     selects,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET = "loadtest"
 NAMESPACE = "specdec-loadtest"
 MASTER_LABELS = {"app.kubernetes.io/name": "locust", "app.kubernetes.io/component": "master"}

@@ -54,7 +54,7 @@ def test_greedy_speculation_is_byte_identical_to_plain_decoding(triton_server, p
 
 def test_seeded_sampling_repeats_with_rejection_sampling(triton_server):
     """Sampled requests verify by rejection sampling on the draft's logits (lossless
-    in distribution: tests/test_rejection_sampling.py). With a fixed window the
+    in distribution: tests/unit/test_rejection_sampling.py). With a fixed window the
     rounds fall the same way, so the same seed gives the same text."""
     prompt = humaneval_prompts(11)[0]
     kwargs = dict(max_tokens=16, temperature=0.8, top_p=0.95, seed=20261129)
@@ -81,7 +81,7 @@ def test_concurrent_seeded_sampled_streams_repeat_their_texts(triton_server):
     A draft call past draft_timeout_seconds turns a round plain (same
     distribution, another sample), so the prompts are short ones (38-45
     tokens): a crowd's draft prefills stay well within the deadline even on a
-    slow machine. (Greedy streams in a crowd: tests/test_server_reliability.py.)"""
+    slow machine. (Greedy streams in a crowd: tests/server/test_server_reliability.py.)"""
     jobs = [(p, dict(max_tokens=16, temperature=0.8, top_k=40, seed=100 + i, speculation_window=3,
                      adaptive_window=False)) for i, p in enumerate(humaneval_prompts(23, 45, 53))]
     alone = [complete(triton_server, prompt, **kwargs) for prompt, kwargs in jobs]

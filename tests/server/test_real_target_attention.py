@@ -1,0 +1,115 @@
+"""Per-sequence, row-invariant attention on the real target, end to end: a
+verification equals plain decoding bitwise, and a request's output is the same
+alone and in a crowd (the random-tensor checks: tests/unit/test_attention.py)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cpu_engine import attention  # noqa: E402
+
+TOKENS = 32
+# Draft counts of successive verify rounds, repeated until all TOKENS are
+# verified: each chain starts at the prompt and continues from the previous
+# round's cache, as speculation does; together the two chains verify every
+# draft count from 1 to 7. The prompts (118 and 166 tokens) plus 32 tokens
+# cross a KEY_BLOCK boundary, so some blocks are computed in two passes.
+CHAINS = [(1, 2, 3, 4, 5, 6, 7), (7, 6, 5, 4, 3, 2, 1)]
+
+
+def served_dtype() -> str:
+    """The dtype the server's target engine computes in on this machine (its
+    config says ``auto``: bfloat16 where the CPU has native bfloat16, else float32)."""
+    from cpu_engine.engine import resolve_dtype
+    from tests._config_helpers import model_config, parameter
+
+    return resolve_dtype(parameter(model_config("target", "cpu"), "dtype"))
+
+
+@pytest.mark.slow
+def test_real_target_verification_is_bitwise_plain_decoding(real_target_dir):
+    """The real target, found (or prepared) where the server keeps it: SPECDEC_CACHE_DIR, else ~/.cache/specdec,
+    in the dtype the server runs it in here."""
+    from tokenizers import Tokenizer
+
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
+
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(), num_threads=2)
+    tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
+    problems = load_humaneval()
+    for task in ("HumanEval/0", "HumanEval/17"):
+        prompt = tokenizer.encode(problems[task], add_special_tokens=True).ids
+        assert len(prompt) // attention.KEY_BLOCK < (len(prompt) + TOKENS - 1) // attention.KEY_BLOCK, task
+        plain = engine.run(EngineRequest(np.array(prompt), TOKENS, return_logits=True))
+        assert len(plain.tokens) == TOKENS
+        for chain in CHAINS:
+            start = 0
+            for drafts in itertools.cycle(chain):
+                drafts = min(drafts, TOKENS - start - 1)
+                if drafts < 1:
+                    break
+                request = EngineRequest(np.array(prompt + plain.tokens[:start]), drafts + 1,
+                                        draft_tokens=np.array(plain.tokens[start : start + drafts]), return_logits=True)
+                verified = engine.run(request)
+                stop = start + drafts + 1
+                assert verified.tokens == plain.tokens[start:stop], (task, chain, start, drafts)
+                assert np.array_equal(verified.logits, plain.logits[start:stop]), (task, chain, start, drafts)
+                start = stop
+
+
+@pytest.mark.slow
+def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
+    """In-flight batching: a request's tokens and logits are bitwise the same
+    whether the target serves it alone or in forwards shared with other
+    sequences (plain decoding, verifications and prompt prefills of others).
+
+    The engine has the server's dtype, threads and row budget (max_num_tokens),
+    no prefix cache (every call prefills), and one change: max_draft_len. The
+    rows a forward may carry are measured at start-up (cpu_engine/rows.py):
+    max_num_tokens where the kernels are row-invariant from a floor, but where
+    they are not (on an AMX Xeon, bfloat16 over a 64-row budget) every forward
+    is padded to max_draft_len + 1 rows (8 at the engine's default), and this
+    crowd then shared forwards two sequences at most. With max_draft_len =
+    max_num_tokens - 1 a forward carries up to max_num_tokens rows either way,
+    so the scheduler builds the same crowd on every machine; what is tested is
+    what the server relies on, that a row does not depend on what else its
+    forward carries under the row shape the engine measured."""
+    from tokenizers import Tokenizer
+
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
+    from tests._config_helpers import model_config, parameter
+
+    served = model_config("target", "cpu")
+    max_num_tokens = int(parameter(served, "max_num_tokens"))
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(),
+                            num_threads=int(parameter(served, "num_threads")), max_cached_sequences=0,
+                            max_num_tokens=max_num_tokens, max_draft_len=max_num_tokens - 1)
+    assert engine.row_shape.capacity == max_num_tokens, engine.row_shape.describe()
+    tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
+    problems = load_humaneval()
+    prompts = [tokenizer.encode(problems[task], add_special_tokens=True).ids
+               for task in ("HumanEval/2", "HumanEval/11", "HumanEval/23")]
+    alone = engine.run(EngineRequest(np.array(prompts[0]), 12, return_logits=True))
+    start = 5  # verify plain tokens 5.. with 4 drafts, next to the others
+    verify = EngineRequest(np.array(prompts[0] + alone.tokens[:start]), 5,
+                           draft_tokens=np.array(alone.tokens[start:start + 4]), return_logits=True)
+    crowd = [engine.submit(EngineRequest(np.array(prompts[0]), 12, return_logits=True)),
+             engine.submit(EngineRequest(np.array(prompts[1]), 9)),
+             engine.submit(verify),
+             engine.submit(EngineRequest(np.array(prompts[2] * 2), 3))]  # a prefill longer than the row budget
+    sizes = set()
+    while not all(call.finished for call in crowd):
+        engine.step()
+        sizes.add(engine.last_forward)
+    print(f"crowd forwards (sequences, rows): {sorted(sizes)}; {engine.row_shape.describe()}")
+    assert max(sequences for sequences, _ in sizes) >= 3, sorted(sizes)  # the calls did share forwards
+    together = engine.result(crowd[0])
+    assert together.tokens == alone.tokens and np.array_equal(together.logits, alone.logits)
+    verified = engine.result(crowd[2])
+    assert verified.tokens == alone.tokens[start:start + 5]
+    assert np.array_equal(verified.logits, alone.logits[start:start + 5])
