@@ -123,6 +123,20 @@ def release_free_heap() -> bool:
         return False
 
 
+INVARIANCE_MODES = {"true": "always", "sampled": "sampled", "false": "never"}
+
+
+def invariance_mode(row_invariant: bool | str) -> str:
+    """``row_invariant`` as configured: true (every forward keeps the measured row
+    shape), sampled (only forwards carrying a sampled call's rows) or false."""
+    if isinstance(row_invariant, bool):
+        return "always" if row_invariant else "never"
+    mode = INVARIANCE_MODES.get(str(row_invariant).strip().lower())
+    if mode is None:
+        raise ValueError(f"row_invariant must be one of {', '.join(INVARIANCE_MODES)}, got {row_invariant!r}")
+    return mode
+
+
 class CausalLMEngine:
     """``submit`` calls and ``step`` forwards (the Triton model does both from
     its own threads); ``run`` serves one request to its end."""
@@ -136,7 +150,7 @@ class CausalLMEngine:
         max_context_tokens: int = 4096,
         max_num_tokens: int = 64,
         max_draft_len: int = DEFAULT_MAX_DRAFT_LEN,
-        row_invariant: bool = True,
+        row_invariant: bool | str = True,
         weight_quantization: str = "none",
         linear_kernel: str = "auto",
     ):
@@ -168,12 +182,16 @@ class CausalLMEngine:
         self.pool = PrefixCachePool(max_cached_sequences, tail=max_draft_len,
                                     copy_prefix=lambda sequence, length: sequence.prefix(length))
         # The target's rows must not depend on their batch-mates (lossless greedy
-        # speculation); the draft only proposes, so it skips the measurement.
+        # speculation): every forward keeps the measured row shape. The draft only
+        # proposes: its invariance buys only a seeded sampled request's repeatable
+        # text, so it keeps the shape only in forwards that carry a sampled call's rows.
+        self.invariance = invariance_mode(row_invariant)
         fixed_rows = max(attention.BLOCK_ROWS, max_draft_len + 1)
-        self.row_shape = (measure_row_shape(self.model, max_num_tokens, fixed_rows) if row_invariant
-                          else RowShape(floor=1, budget=max_num_tokens))
+        self.row_shape = (RowShape(floor=1, budget=max_num_tokens) if self.invariance == "never"
+                          else measure_row_shape(self.model, max_num_tokens, fixed_rows))
         self.scheduler = Scheduler(self.row_shape.capacity)
         self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
+        self.last_forward_rows = 0
         self.forwards = 0  # forward passes run so far
         release_free_heap()
 
@@ -280,12 +298,15 @@ class CausalLMEngine:
             if work.logits:
                 wanted += range(start, len(ids))
         real = len(ids)
-        total = self.row_shape.rows(real)
+        shaped = self.invariance == "always" or (self.invariance == "sampled"
+                                                 and any(not work.call.sampling.greedy for work in works))
+        total = self.row_shape.rows(real) if shaped else real
         if total > real:
             segments.append(attention.Segment(real, total, None))
             ids += [0] * (total - real)
             positions += [0] * (total - real)
         self.last_forward = (len(works), real)
+        self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
         with attention.packed(segments):
             hidden = self.model.model(
@@ -295,7 +316,7 @@ class CausalLMEngine:
         logits = None
         if wanted:
             # the output layer is one more linear: the same row rule applies
-            picked = wanted + [wanted[0]] * (self.row_shape.rows(len(wanted)) - len(wanted))
+            picked = wanted + [wanted[0]] * ((self.row_shape.rows(len(wanted)) if shaped else 0) - len(wanted))
             logits = self.model.lm_head(hidden[picked]).float().numpy()
         out: list[np.ndarray | None] = []
         row = 0

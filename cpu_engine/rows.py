@@ -21,8 +21,14 @@ place in a 9-row block), and with MKL's strict reproducible mode
 a 9-row float32 MLP there took half the time of the default kernels'. On
 the same machine oneDNN's prepacked float32 kernel agrees from M = 1, and
 the engine measures which of the two to use (cpu_engine/packed.py).
-Where no floor works, every forward is padded to one fixed number of rows
-instead (slower where extra rows cost).
+Kernels may agree up to some row count and not beyond (a blocked kernel
+whose remainder path starts past it): on an Intel Xeon with AMX, bfloat16,
+the 1.5B target's layers agree from M = 2 up to 32 rows and disagree from 33.
+So the budget is measured too: the configured ``max_num_tokens`` first, then
+halved until a floor works, and the engine's forwards carry at most that many
+rows (prefill chunks included). Only where no budget down to the fallback
+works is every forward padded to one fixed number of rows instead (slower
+where extra rows cost).
 """
 
 from __future__ import annotations
@@ -95,10 +101,37 @@ def invariant_floor(multiply, width: int, budget: int, dtype: torch.dtype, gener
     return None
 
 
+def candidate_budgets(budget: int, fallback_rows: int) -> list[int]:
+    """The budgets tried, largest first: ``budget``, then halves while above ``fallback_rows``."""
+    budgets = [budget]
+    while budgets[-1] // 2 >= max(fallback_rows, 1) and budgets[-1] // 2 < budgets[-1]:
+        budgets.append(budgets[-1] // 2)
+    return budgets
+
+
 @torch.inference_mode()
 def measure_row_shape(model: torch.nn.Module, budget: int, fallback_rows: int) -> RowShape:
-    """The engine's row shape for ``model`` on this machine (see the module doc)."""
+    """The engine's row shape for ``model`` on this machine (see the module doc):
+    the largest budget of ``candidate_budgets`` with a floor, else ``fallback_rows`` fixed."""
     started = time.perf_counter()
+    shape = None
+    tried = candidate_budgets(budget, fallback_rows)
+    for candidate in tried:
+        floor, layers = _floor_over_layers(model, candidate)
+        if floor is not None:
+            shape = RowShape(floor=floor, budget=candidate)
+            break
+    if shape is None:
+        shape = RowShape(floor=fallback_rows, budget=fallback_rows, fixed=fallback_rows)
+    log.info("row shape: %s (budgets tried %s over %d linear shapes in %.1f s, MKL_CBWR=%s)", shape.describe(),
+             tried[: tried.index(shape.budget) + 1] if shape.fixed is None else tried, layers,
+             time.perf_counter() - started, os.environ.get("MKL_CBWR", "unset"))
+    return shape
+
+
+def _floor_over_layers(model: torch.nn.Module, budget: int) -> tuple[int | None, int]:
+    """The floor from which every linear shape of ``model`` agrees up to ``budget`` rows
+    (None: some shape agrees at no floor), and how many shapes were measured."""
     generator = torch.Generator().manual_seed(0)
     seen: dict[tuple, int | None] = {}
     floor = 1
@@ -113,14 +146,9 @@ def measure_row_shape(model: torch.nn.Module, budget: int, fallback_rows: int) -
             dtype = weight.dtype if weight is not None and weight.is_floating_point() else _model_dtype(model)
             seen[key] = invariant_floor(module, width, budget, dtype, generator)
         if seen[key] is None:
-            shape = RowShape(floor=fallback_rows, budget=fallback_rows, fixed=fallback_rows)
-            break
+            return None, len(seen)
         floor = max(floor, seen[key])
-    else:
-        shape = RowShape(floor=floor, budget=budget)
-    log.info("row shape: %s (measured over %d linear shapes in %.1f s, MKL_CBWR=%s)", shape.describe(), len(seen),
-             time.perf_counter() - started, os.environ.get("MKL_CBWR", "unset"))
-    return shape
+    return floor, len(seen)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -63,7 +63,7 @@ class TritonPythonModel:
             max_context_tokens=int(params.get("max_context_tokens", "4096")),
             max_num_tokens=int(params.get("max_num_tokens", "64")),
             max_draft_len=int(params.get("max_draft_len", DEFAULT_MAX_DRAFT_LEN)),
-            row_invariant=params.get("row_invariant", "true").lower() == "true",
+            row_invariant=params.get("row_invariant", "true"),
             weight_quantization=params.get("weight_quantization", "none"),
             linear_kernel=params.get("linear_kernel", "auto"),
         )

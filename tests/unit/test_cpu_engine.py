@@ -170,6 +170,36 @@ def test_fixed_size_forwards_hold_the_longest_verification(model_dir, monkeypatc
     assert list(verified.tokens) == list(plain)
 
 
+def test_a_draft_keeps_the_row_shape_only_in_forwards_that_carry_sampled_rows(model_dir, monkeypatch):
+    """row_invariant "sampled" (the draft's setting): a greedy call's forwards go unpadded, a
+    sampled call's keep the measured shape, so a seeded sampled request repeats its text
+    whatever its batch-mates; its tokens and logits equal those of an always-shaped engine."""
+    import cpu_engine.engine as engine_module
+    from cpu_engine.rows import RowShape
+
+    monkeypatch.setattr(engine_module, "measure_row_shape",
+                        lambda model, budget, fixed: RowShape(floor=fixed, budget=fixed, fixed=fixed))
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant="sampled")
+    always = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant=True)
+    greedy = e.submit(EngineRequest(PROMPT, 3))
+    rows = []
+    while not greedy.finished:
+        e.step()
+        rows.append(e.last_forward_rows)
+    assert max(rows) < e.row_shape.fixed and rows[-1] == 1  # the prompt, then one row a step, unpadded
+    sampled = EngineRequest(PROMPT, 3, sampling=SamplingParams(temperature=0.8, seed=5), return_logits=True)
+    call = e.submit(sampled)
+    rows = []
+    while not call.finished:
+        e.step()
+        rows.append(e.last_forward_rows)
+    assert set(rows) == {e.row_shape.fixed}
+    ours, reference = e.result(call), always.run(sampled)
+    assert ours.tokens == reference.tokens and np.array_equal(ours.logits, reference.logits)
+    with pytest.raises(ValueError, match="row_invariant must be one of true, sampled, false"):
+        CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, row_invariant="maybe")
+
+
 # ---- weight-only quantization (cpu_engine/quantize.py) ----------------------
 
 from cpu_engine import quantize  # noqa: E402

@@ -4,7 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cpu_engine.rows import RowShape, invariant_floor, measure_row_shape, probe_counts  # noqa: E402
+from cpu_engine.rows import (RowShape, candidate_budgets, invariant_floor, measure_row_shape,  # noqa: E402
+                             probe_counts)
 
 
 def test_probe_counts_cover_small_counts_and_the_kernel_switch_points():
@@ -75,3 +76,42 @@ def test_the_engine_package_asks_mkl_for_reproducible_rows():
     import cpu_engine  # noqa: F401
 
     assert os.environ.get("MKL_CBWR")
+
+
+def test_the_budgets_tried_halve_down_to_the_fallback():
+    assert candidate_budgets(64, 8) == [64, 32, 16, 8]
+    assert candidate_budgets(64, 9) == [64, 32, 16]
+    assert candidate_budgets(8, 8) == [8]
+
+
+class RemainderAbove(torch.nn.Linear):
+    """A linear layer whose kernel takes another path (other rounding) for blocks over ``limit`` rows,
+    as a blocked kernel's remainder path does on some machines."""
+
+    def __init__(self, limit):
+        super().__init__(32, 8, bias=False)
+        self.limit = limit
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).mul(4).round())
+
+    def forward(self, rows):
+        out = rows.mul(4).round() @ self.weight.T  # small integers: exact, whatever the kernel
+        if rows.shape[0] > self.limit:
+            out[self.limit:] += 1e-3
+        return out
+
+
+@pytest.mark.parametrize("limit,budget", [(64, 64), (40, 32), (32, 32), (20, 16), (9, 8)])
+def test_the_budget_is_the_largest_tried_up_to_which_rows_agree(limit, budget):
+    shape = measure_row_shape(torch.nn.Sequential(RemainderAbove(limit)), budget=64, fallback_rows=8)
+    assert shape == RowShape(floor=1, budget=budget)
+
+
+class Mixing(RemainderAbove):
+    def forward(self, rows):  # every row's result depends on the whole block
+        return super().forward(rows) + rows.sum(0, keepdim=True)[:, :8]
+
+
+def test_rows_that_agree_at_no_budget_down_to_the_fallback_pad_every_forward():
+    shape = measure_row_shape(torch.nn.Sequential(Mixing(64)), budget=64, fallback_rows=8)
+    assert shape.capacity == 8 and {shape.rows(real) for real in range(1, 9)} == {8}
