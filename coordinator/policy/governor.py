@@ -147,6 +147,16 @@ class LoadGovernor:
         speculation was explored again). The next epoch starts afresh."""
         self._bucket, self._counted, self._tokens = None, 0.0, 0.0
 
+    def why_plain(self, streams: int) -> str:
+        """What a request held back at ``streams`` streams is told (its fallback_reason)."""
+        bucket = load_bucket(streams)
+        plain, speculate = self.rate(streams, PLAIN), self.rate(streams, SPECULATE)
+        if plain is not None and speculate is not None:
+            measured = f"plain decoding measured {plain:.2f} tokens/s against speculation's {speculate:.2f}"
+        else:
+            measured = "plain decoding measured faster at a lower load"
+        return f"the load governor holds speculation back at {load_label(bucket)} streams: {measured}"
+
     def rate(self, streams: int, regime: str) -> float | None:
         average = self.rates.get((load_bucket(streams), regime))
         return None if average is None else average.value

@@ -167,7 +167,10 @@ class SpeculationPolicy:
         """(window, predicted speed-up) of ``drafter`` for the next round (speed-up 1
         where the window is not the cost model's choice: fixed windows and probes)."""
         self._context = context
-        if self.max_window <= 0 or (self.first_round_plain and self._rounds == 0) or self.held_back:
+        if self.max_window <= 0 or (self.first_round_plain and self._rounds == 0):
+            return 0, 1.0
+        if self.held_back:
+            self.reason = self.governor.why_plain(self.costs.streams)
             return 0, 1.0
         free = registry.is_free(drafter)
         if not free:

@@ -67,7 +67,7 @@ class Statistics:
                                        "server-side seconds in target calls that verified drafts", 0.0)
     plain_seconds: float = _statistic("plain_seconds", "TYPE_FP32", "server-side seconds in plain target steps", 0.0)
     fallback_reason: str = _statistic("fallback_reason", "TYPE_STRING",
-                                      "why speculation last stopped (empty if it never did)", "")
+                                      "why speculation last stopped or was held back (empty if it never was)", "")
 
     def outputs(self) -> dict[str, np.ndarray]:
         """The statistics as the response's output tensors."""

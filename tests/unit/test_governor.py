@@ -1,6 +1,6 @@
 """The server-wide load switch (coordinator/policy/governor.py) with a fake clock."""
 
-from coordinator.policy.costmodel import CostModel
+from coordinator.policy.costmodel import CostModel, MovingAverage
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
 from coordinator.policy.speculation import Mode, SpeculationPolicy
 
@@ -107,13 +107,20 @@ def test_a_failed_draft_call_disrupts_the_governors_epoch():
 
 
 def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_fallback():
+    """It is no fallback (the mode stays speculating), but its fallback_reason says why it decoded plainly."""
     clock = Clock()
     governor = LoadGovernor(epoch_seconds=10.0, clock=clock)
     governor.regimes[governor_bucket(4)] = PLAIN
     costs = CostModel(streams=4)
     policy = SpeculationPolicy(5, 0.3, costs=costs, first_round_plain=False, governor=governor)
     assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == policy.settings.probe_interval
-    assert policy.mode is Mode.SPECULATING and policy.reason == ""
+    assert policy.mode is Mode.SPECULATING
+    assert policy.reason == ("the load governor holds speculation back at 3-4 streams: "
+                             "plain decoding measured faster at a lower load")
+    governor.rates[(governor_bucket(4), PLAIN)] = MovingAverage(10.5, 3)
+    governor.rates[(governor_bucket(4), SPECULATE)] = MovingAverage(8.25, 2)
+    policy.window()
+    assert policy.reason.endswith("3-4 streams: plain decoding measured 10.50 tokens/s against speculation's 8.25")
     costs.streams = 1  # another load bucket, where nothing says plain
     assert not policy.held_back and policy.window() > 0
 
