@@ -22,19 +22,26 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from coordinator.sampling.params import Penalties, SamplingParams
+from coordinator.sampling.penalties import read_word_list
 from coordinator.settings import expand_env
-from cpu_engine.engine import DEFAULT_MAX_DRAFT_LEN, KNOWN_PARAMETERS, CausalLMEngine, EngineRequest, EngineRequestError
+from coordinator.triton.logs import log_to_stderr
+from cpu_engine.engine import (
+    DEFAULT_MAX_DRAFT_LEN,
+    KNOWN_PARAMETERS,
+    CausalLMEngine,
+    EngineRequest,
+    EngineRequestError,
+)
 from cpu_engine.faults import FaultConfigError, FaultInjector
 from cpu_engine.turns import ForwardTurns
-from coordinator.sampling.params import Penalties
-from coordinator.sampling.penalties import read_word_list
-from coordinator.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        log_to_stderr("cpu_engine")  # the start-up choices measured on this machine, into Triton's log
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         unknown = sorted(set(params) - KNOWN_PARAMETERS)
@@ -83,8 +90,9 @@ class TritonPythonModel:
         error = built.get()
         if error is not None:
             raise error
-        log.info("%s: %s; linear kernel %s", self.name, self.engine.row_shape.describe(),
-                 self.engine.linear_kernel)
+        log.info("%s: %s, %s; linear kernel %s, %s weights, row invariance %s", self.name,
+                 self.engine.row_shape.describe(), self.engine.dtype, self.engine.linear_kernel,
+                 self.engine.weight_quantization, self.engine.invariance)
         self._report()
 
     def execute(self, requests):

@@ -24,22 +24,31 @@ import asyncio
 import json
 import logging
 import secrets
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from collections.abc import Sequence
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from coordinator.settings import CoordinatorSettings
-from coordinator.policy.costmodel import CostModel
-from coordinator.engines.tensors import (REQUESTED_OUTPUTS, engine_inputs, generated_tokens, generation_logits, output_log_probs)
+
 from coordinator.decoding.generation import Chunk, RequestCancelled, generate_text
-from coordinator.policy.governor import LoadGovernor
 from coordinator.engines.contract import EngineError, EngineOutput
-from coordinator.response.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
+from coordinator.engines.tensors import (
+    REQUESTED_OUTPUTS,
+    engine_inputs,
+    generated_tokens,
+    generation_logits,
+    output_log_probs,
+)
+from coordinator.policy.costmodel import CostModel
+from coordinator.policy.governor import LoadGovernor
 from coordinator.request.api import INPUT_NAMES
 from coordinator.request.parse import InputError, check_parameters, parse_request
-from coordinator.sampling.params import SamplingParams
 from coordinator.request.tokenizer import Codec, SpecialTokens
+from coordinator.response.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
+from coordinator.sampling.params import SamplingParams
+from coordinator.settings import CoordinatorSettings
+from coordinator.triton.logs import log_to_stderr
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -221,7 +230,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        _log_to_stderr()
+        log_to_stderr("coordinator")
         self.settings = CoordinatorSettings.from_parameters(parameters)
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         seed_input = self.settings.engine_seed_input
@@ -327,16 +336,3 @@ def _response(text: str, final: Chunk | None):
             tensors += [pb_utils.Tensor("output_log_probs", values),
                         pb_utils.Tensor("cum_log_probs", np.array([values.sum()], dtype=np.float32))]
     return pb_utils.InferenceResponse(output_tensors=tensors)
-
-
-def _log_to_stderr() -> None:
-    """The coordinator's INFO lines (readiness, the load governor's switches,
-    late draft failures) into the stub's stderr, which Triton's log carries;
-    without a handler Python would drop everything below WARNING."""
-    logger = logging.getLogger("coordinator")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # a root handler of the stub's, if any, would print each line again

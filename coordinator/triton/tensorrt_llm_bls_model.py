@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from coordinator.request import nvidia
-from coordinator.request.api import LOG_PROBS, OUTPUTS as COORDINATOR_OUTPUTS, STATISTICS
+
 from coordinator.engines.contract import EngineError
+from coordinator.request import nvidia
+from coordinator.request.api import LOG_PROBS, STATISTICS
+from coordinator.request.api import OUTPUTS as COORDINATOR_OUTPUTS
 from coordinator.request.parse import InputError
 from coordinator.triton.coordinator_model import bls_responses
 
