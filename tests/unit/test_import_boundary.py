@@ -88,7 +88,8 @@ def test_the_checks_would_catch_a_forbidden_import(tmp_path):
 
 # -- the GPU image ---------------------------------------------------------------
 
-LOCAL_PACKAGES = {"coordinator", "cpu_engine", "frontend", "launcher", "selfheal", "tools", "trtllm_emulation"}
+LOCAL_PACKAGES = {"coordinator", "cpu_engine", "frontend", "launcher", "selfheal", "sim_engine", "tools",
+                  "trtllm_emulation"}
 
 
 def image_packages(dockerfile: Path) -> set[str]:

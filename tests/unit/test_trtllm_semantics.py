@@ -24,6 +24,9 @@ from coordinator.decoding.loop import speculative_decode  # noqa: E402
 from coordinator.policy.speculation import SpeculationPolicy  # noqa: E402
 from coordinator.sampling.params import SamplingParams  # noqa: E402
 from coordinator.sampling.maths import processed_probs
+from sim_engine.engine import SimEngine  # noqa: E402
+from sim_engine.lm import SyntheticLM  # noqa: E402
+from sim_engine.presets import StepTime  # noqa: E402
 from tests.engine_adapter import LocalEngine  # noqa: E402
 from tests.stats import gof_pvalue  # noqa: E402
 from tests.tiny_models import write_tiny_qwen2  # noqa: E402
@@ -42,14 +45,26 @@ def pair_dirs(tmp_path_factory):
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def target(pair_dirs):
-    return CausalLMEngine(str(pair_dirs[0]), dtype="float32", num_threads=1)
+@pytest.fixture(scope="module", params=["cpu", "sim"])
+def engines(request, pair_dirs):
+    """The CPU engine over two tiny models, and the sim profile's engine over
+    its synthetic LM (sim_engine/, no sleeps): the same semantics tests for both."""
+    if request.param == "cpu":
+        return (CausalLMEngine(str(pair_dirs[0]), dtype="float32", num_threads=1),
+                CausalLMEngine(str(pair_dirs[1]), dtype="float32", num_threads=1))
+    step = StepTime(0.0, 0.0)
+    return (SimEngine(SyntheticLM(VOCAB, "target"), step, sleep=False),
+            SimEngine(SyntheticLM(VOCAB, "draft", agreement=0.6), step, sleep=False))
 
 
 @pytest.fixture(scope="module")
-def draft(pair_dirs):
-    return CausalLMEngine(str(pair_dirs[1]), dtype="float32", num_threads=1)
+def target(engines):
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def draft(engines):
+    return engines[1]
 
 
 def greedy(engine, prompt=PROMPT, n=8):
