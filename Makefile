@@ -6,7 +6,7 @@ VENV ?= .venv
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast bench bench-modes loadtest soak aiperf tools clean-venv
+.PHONY: serve test test-fast bench bench-sim bench-modes loadtest soak aiperf tools clean-venv
 
 $(STAMP): pyproject.toml requirements/cpu-serve.txt requirements/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ COMPARE_ARGS ?=
 bench: $(STAMP)
 	$(VENV)/bin/specdec-compare --json $(BENCH_DIR)/compare.json --png $(BENCH_DIR)/compare.png \
 		--markdown $(BENCH_DIR)/compare.md $(COMPARE_ARGS)
+
+# The coordinator at GPU step times (specdec-sim-bench --help): starts a
+# server with the sim profile (simulated engines that sleep a preset's forward
+# times, SIM_PRESET), runs greedy requests plain and speculative at 1, 4, 16
+# and 32 streams, and prints tokens/s, the speed-up beside the preset's ideal
+# and the CPU time of tritonserver and the coordinator per round. A few minutes.
+SIM_PRESET ?= h100-8b-1b
+SIM_BENCH_ARGS ?=
+bench-sim: $(STAMP)
+	$(VENV)/bin/python -m tools.sim_bench --preset $(SIM_PRESET) --json $(BENCH_DIR)/sim.json $(SIM_BENCH_ARGS)
 
 # Plain, adaptive and fixed-window speculative decoding per prompt, with the
 # cost model's predictions, against a running `make serve` (specdec-bench

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import coordinator
 from cpu_engine.turns import TURNS_VARIABLE
-from launcher import assets, engine_watchdog, openai_frontend, shm_regions, tritonserver
+from launcher import assets, engine_watchdog, openai_frontend, profiles, shm_regions, tritonserver
 from selfheal import exposition, readiness
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
@@ -89,7 +89,8 @@ class ServerOptions:
     draft: str = assets.DEFAULT_DRAFT
     cache_dir: Path = field(default_factory=assets.default_cache_dir)
     model_repository: Path = PROJECT_ROOT / "model_repository"
-    profile: str = "cpu"
+    profile: str = "cpu"  # cpu or sim (launcher/profiles.py)
+    sim_preset: str = profiles.DEFAULT_PRESET  # the sim profile's latency table (sim_engine/presets.py)
     address: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -158,6 +159,7 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
             "SPECDEC_TARGET_MODEL_DIR": str(pair.target_dir),
             "SPECDEC_DRAFT_MODEL_DIR": str(pair.draft_dir),
             "SPECDEC_TOKENIZER_DIR": str(pair.tokenizer_dir),
+            profiles.PRESET_VAR: options.sim_preset,
         }
     )
     for name, value in ENGINE_ENV_DEFAULTS.items():  # a value already in the environment wins
@@ -224,13 +226,19 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
     parser.add_argument("--model-repository", type=Path,
                         default=Path(env.get("SPECDEC_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")))
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--profile", default=env.get(profiles.PROFILE_VAR, "cpu"),
+                        help=f"engines: {' or '.join(profiles.SERVABLE)} (simulated GPU engines, no weights: "
+                             f"sim_engine/) [{profiles.PROFILE_VAR}, cpu]")
+    parser.add_argument("--sim-preset", default=env.get(profiles.PRESET_VAR, profiles.DEFAULT_PRESET),
+                        help=f"the sim profile's step times and acceptance: {', '.join(profiles.PRESETS)} "
+                             f"[{profiles.PRESET_VAR}, {profiles.DEFAULT_PRESET}]")
     args = parser.parse_args(argv)
     key = env.get(ADMIN_KEY_VAR, "").strip()
     return ServerOptions(
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, openai_port=args.openai_port, watchdog_port=args.watchdog_port,
-        log_verbose=args.log_verbose,
+        log_verbose=args.log_verbose, profile=args.profile, sim_preset=args.sim_preset,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
         admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
     )
@@ -239,9 +247,11 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
 def main(argv: list[str] | None = None) -> int:
     options = _parse_args(argv)
     try:
+        profiles.check(options.profile, options.sim_preset, options.model_repository)
         check_admin_key(options.admin_key)
         pair = prepare(options)
-    except (AdminKeyError, assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound) as error:
+    except (AdminKeyError, assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound,
+            profiles.ProfileError) as error:
         print(f"specdec-serve: {error}", file=sys.stderr)
         return 2
     orphans = shm_regions.remove_orphans(os.getpid())
