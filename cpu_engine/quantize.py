@@ -32,7 +32,7 @@ Only small forwards are memory-bound. Over many rows (a prompt's prefill)
 these kernels are compute-bound and much slower than the dense bf16 GEMM, so
 each quantized layer keeps a reference to the original weights and uses them
 for forwards over more than ``dense_rows`` rows (``DENSE_ROWS``, measured with
-``python -m cpu_engine.measure --weight-quantization ...``). That
+``python -m tools.measure_forwards --weight-quantization ...``). That
 keeps the original weights in memory (they are what was loaded anyway);
 ``dense_rows=0`` drops them.
 """

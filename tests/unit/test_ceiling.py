@@ -1,8 +1,8 @@
-"""The forward-cost ceiling's arithmetic (cpu_engine/ceiling.py), with made-up forward times."""
+"""The forward-cost ceiling's arithmetic (tools/ceiling.py), with made-up forward times."""
 
 import pytest
 
-from cpu_engine.ceiling import Forwards, best, ceilings, recorder, split
+from tools.ceiling import Forwards, best, ceilings, recorder, split
 
 
 def flat(ms, capacity=64):
@@ -78,7 +78,7 @@ def test_a_decode_forward_reads_every_weight_but_an_untied_input_embedding(tmp_p
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
-    from cpu_engine.ceiling import decode_weight_bytes
+    from tools.ceiling import decode_weight_bytes
 
     tensors = {"model.embed_tokens.weight": torch.zeros(100, 8), "model.layers.0.mlp.up_proj.weight": torch.zeros(16, 8),
                "lm_head.weight": torch.zeros(100, 8)}

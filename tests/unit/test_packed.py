@@ -72,7 +72,7 @@ def test_auto_measures_floors_and_times_of_both_kernels():
 
 
 def test_the_measure_tool_times_each_kernel(tmp_path, capsys):
-    from cpu_engine import measure
+    from tools import measure_forwards as measure
     from tests.tiny_models import write_tiny_qwen2
 
     model_dir = write_tiny_qwen2(tmp_path)

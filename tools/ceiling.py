@@ -2,7 +2,7 @@
 speculative decoding can reach at 1..N concurrent streams, from measured
 forward times, before any serving cost.
 
-    python -m cpu_engine.ceiling --target DIR --draft DIR [--streams 1,2,4,8]
+    python -m tools.ceiling --target DIR --draft DIR [--streams 1,2,4,8]
         [--acceptance 0.7,0.8,0.9] [--prompt-tokens 150] [--max-tokens 64]
 
 A benchmark says what the server reached; this says what it could reach, so
@@ -154,7 +154,7 @@ def measured_forwards(model_dir: str, dtype: str, scheme: str, context: int, rep
     forwards ``rows_needed`` asks for (median of ``repeats``: a decode loop
     meets the typical forward, not the luckiest)."""
     from cpu_engine import attention
-    from cpu_engine.measure import ForwardTimer, load_model
+    from tools.measure_forwards import ForwardTimer, load_model
     from cpu_engine.rows import measure_row_shape
 
     model, _ = load_model(model_dir, dtype, scheme)

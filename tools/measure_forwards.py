@@ -3,7 +3,7 @@ with a warm KV cache: the numbers that decide whether speculation can pay on
 this machine (a cheap draft step, and a target that verifies k+1 tokens for
 not much more than the cost of one).
 
-    python -m cpu_engine.measure --model-dir DIR [--dtypes float32,bfloat16]
+    python -m tools.measure_forwards --model-dir DIR [--dtypes float32,bfloat16]
         [--weight-quantization none,int8,int4] [--linear-kernels default,onednn-packed]
 
 ``--weight-quantization`` measures each model also with weight-only quantized
@@ -23,9 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from cpu_engine.engine import DTYPES, cpu_has_native_bf16
-from cpu_engine.packed import KERNELS, choose_linear_kernel
-from cpu_engine.quantize import DENSE_ROWS, check_scheme, quantize_linear_layers
+# The CPU engine is imported where it is used: the GPU image carries tools/ without it.
 
 
 class ForwardTimer:
@@ -53,9 +51,15 @@ class ForwardTimer:
 MAX_NUM_TOKENS = 64  # the target engine's row budget, over which ``auto`` compares the kernels
 
 
-def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int = DENSE_ROWS, kernel: str = "auto"):
+def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int | None = None, kernel: str = "auto"):
     """The model as the engine loads it: ``dtype`` weights, linear layers quantized
-    by ``scheme``, the float ones on ``kernel``; returns (model, the kernel kept)."""
+    by ``scheme`` (dense above ``dense_rows``, default the engine's), the float ones
+    on ``kernel``; returns (model, the kernel kept)."""
+    from cpu_engine.engine import DTYPES
+    from cpu_engine.packed import choose_linear_kernel
+    from cpu_engine.quantize import DENSE_ROWS, quantize_linear_layers
+
+    dense_rows = DENSE_ROWS if dense_rows is None else dense_rows
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     quantize_linear_layers(model, scheme, dense_rows=dense_rows)
     return model, choose_linear_kernel(model, MAX_NUM_TOKENS, kernel)
@@ -68,6 +72,10 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from cpu_engine.engine import cpu_has_native_bf16
+    from cpu_engine.packed import KERNELS
+    from cpu_engine.quantize import DENSE_ROWS, check_scheme
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", action="append", required=True, help="Hugging Face model dir (repeatable)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
