@@ -26,6 +26,7 @@ ENV_OVERRIDES = {
     "adaptive_window": "SPECDEC_ADAPTIVE_WINDOW",
     "draft_timeout_seconds": "SPECDEC_DRAFT_TIMEOUT_SECONDS",
     "drafter": "SPECDEC_DRAFTER",
+    "max_inflight_requests": "SPECDEC_MAX_INFLIGHT_REQUESTS",
 }
 
 
@@ -83,6 +84,12 @@ class CoordinatorSettings:
     # engine does (tests/unit/test_penalties.py); on a TensorRT-LLM engine check it
     # first (docs/gpu.md). false: such requests decode with the target alone.
     speculate_with_penalties: bool = True
+    # Admission control (coordinator/request/admission.py): the most requests
+    # in flight at once; the next one is refused at once with an error
+    # (UNAVAILABLE; 429 from the OpenAI frontend) instead of queueing behind
+    # work the engines cannot take. Each profile's config sets it to the target
+    # engine's capacity (its max_batch_size); 0: no bound.
+    max_inflight_requests: int = 0
     # The speculation policy's tuning values (coordinator/policy/speculation.py): set with
     # parameters of their own names (history_tokens, min_evidence, ...).
     policy: PolicySettings = field(default_factory=PolicySettings)
@@ -119,6 +126,9 @@ class CoordinatorSettings:
                 f"got {self.prompt_lookup_min_ngram} and {self.prompt_lookup_max_ngram}")
         if not 1 <= self.hybrid_min_match <= MAX_NGRAM:
             raise SettingsError(f"hybrid_min_match must be between 1 and {MAX_NGRAM}, got {self.hybrid_min_match}")
+        if self.max_inflight_requests < 0:
+            raise SettingsError(
+                f"max_inflight_requests must be >= 0 (0 = no bound), got {self.max_inflight_requests}")
         problems = self.policy.check()
         if problems:
             raise SettingsError("; ".join(problems))

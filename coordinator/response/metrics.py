@@ -104,6 +104,14 @@ PLAIN_STEP = {
     for bucket in range(len(CONTEXT_BUCKETS) + 1)
 }
 STREAMS = _spec("specdec_decoding_requests", GAUGE, "Requests decoding now (the load the cost model plans for)")
+# Admission control (coordinator/request/admission.py): the HorizontalPodAutoscaler
+# scales on in-flight / max (k8s/base/hpa.yaml), before requests are refused.
+INFLIGHT = _spec("specdec_inflight_requests", GAUGE,
+                 "Requests admitted and not yet answered (prefilling, decoding or waiting for an engine)")
+MAX_INFLIGHT = _spec("specdec_max_inflight_requests", GAUGE,
+                     "The most requests admitted at once (max_inflight_requests; 0: no bound)")
+REFUSED = _spec("specdec_refused_requests_total", COUNTER,
+                "Requests refused at arrival because max_inflight_requests were in flight")
 LOAD_REGIME = {
     bucket: _spec("specdec_load_speculating", GAUGE,
                   "1 while adaptive requests speculate at this load, 0 while the server measured plain decoding "
@@ -148,6 +156,9 @@ FIXED_SPECS = (
     *VERIFY_COST.values(),
     *PLAIN_STEP.values(),
     STREAMS,
+    INFLIGHT,
+    MAX_INFLIGHT,
+    REFUSED,
     *LOAD_REGIME.values(),
     ACCEPTED_PER_ROUND,
     TIME_TO_FIRST_TOKEN,
@@ -178,6 +189,15 @@ class MetricsRecorder:
 
     def _get(self, spec: MetricSpec) -> Instrument:
         return self.instruments[spec]
+
+    def admission(self, in_flight: int, limit: int) -> None:
+        """The requests in flight now and the bound they are held to."""
+        self._get(INFLIGHT).set(in_flight)
+        self._get(MAX_INFLIGHT).set(limit)
+
+    def refused(self) -> None:
+        """A request refused at arrival (it never started: not in specdec_requests_total)."""
+        self._get(REFUSED).increment(1)
 
     def start_request(self) -> RequestMetrics:
         return RequestMetrics(self, self.clock())

@@ -22,6 +22,8 @@ CONFIGS = config_paths()
 
 # Parameters of the coordinator that may differ between profiles, with the reason.
 COORDINATOR_PROFILE_DIFFERENCES: dict[str, str] = {
+    "max_inflight_requests": "the target engine's capacity in the profile (its max_batch_size): "
+                             "test_the_admission_bound_is_the_target_engines_capacity",
     "speculate_with_penalties": "lossless only where the target engine counts drafted tokens in each verified "
                                 "position's penalties: checked for the CPU engine, to be checked on a GPU for "
                                 "TensorRT-LLM (docs/gpu.md)",
@@ -99,3 +101,18 @@ def test_coordinator_is_the_same_in_every_profile():
             f"coordinator/configs/{profile}.pbtxt differs from cpu.pbtxt; keep them equal "
             "or list the parameter in COORDINATOR_PROFILE_DIFFERENCES with the reason"
         )
+
+
+@pytest.mark.parametrize("profile", profiles())
+def test_the_admission_bound_is_the_target_engines_capacity(profile):
+    """Each request holds one sequence of the target while it decodes: the
+    coordinator admits as many requests as the target batches (its
+    max_batch_size, equal to a TensorRT-LLM engine's --max_batch_size), and no
+    more than a CPU engine keeps KV caches for."""
+    bound = int(parameter(model_config(COORDINATOR, profile), "max_inflight_requests"))
+    target = model_config(engine_names(profile)["target"], profile)
+    assert bound == target.max_batch_size > 0, (profile, bound, target.max_batch_size)
+    if "max_cached_sequences" in target.parameters:
+        assert bound <= int(parameter(target, "max_cached_sequences"))
+    if profile == "trtllm":
+        assert bound == int(script_default("MAX_BATCH_SIZE"))  # the engines docker/build_engines.sh builds
