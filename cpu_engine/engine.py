@@ -76,7 +76,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
     """``auto``: bfloat16 where the CPU has native bfloat16 arithmetic, else float32.
 
-    Measured (python -m tools.measure_forwards): with native bf16 a
+    Measured (python -m cpu_engine.measure): with native bf16 a
     bf16 forward over 8 tokens costs what one token costs; without it bf16
     arithmetic is emulated and only float32 verifies several tokens cheaply.
     """
@@ -100,6 +100,7 @@ class EngineRequest:
     draft_tokens: np.ndarray | None = None
     draft_logits: np.ndarray | None = None  # [k, vocab]
     return_logits: bool = False
+    stop_words: tuple[tuple[int, ...], ...] = ()  # stop_words_list: each ends the call, returned and counted
 
 
 @dataclass
@@ -212,7 +213,8 @@ class CausalLMEngine:
         else:
             sequence.crop(reused)
         call = Call(input_ids, request.max_new_tokens, request.sampling, request.end_id, drafts,
-                    request.draft_logits, sequence, reused, on_tokens, request.return_logits)
+                    request.draft_logits, sequence, reused, on_tokens, request.return_logits,
+                    stop_words=request.stop_words)
         self.scheduler.add(call)
         return call
 

@@ -59,11 +59,12 @@ class Call:
     return_logits: bool = False
     result: CallResult | None = None
     error: BaseException | None = None
+    stop_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         self.prefilled = self.reused
         self.plain = None if self.drafts else PlainDecoding(self.max_new_tokens, self.sampling, self.end_id,
-                                                            self.input_ids)
+                                                            self.input_ids, self.stop_words)
         self.feed = [int(self.input_ids[-1]), *self.drafts]  # rows of the first decode forward
 
     @property
@@ -84,7 +85,7 @@ class Call:
             return
         if self.plain is None:
             self.result = calls.verify(logits, self.drafts, self.draft_logits, self.max_new_tokens,
-                                                  self.sampling, self.end_id, self.input_ids)
+                                                  self.sampling, self.end_id, self.input_ids, self.stop_words)
             return
         before = len(self.plain.tokens)
         following = self.plain.next_token(logits[-1])

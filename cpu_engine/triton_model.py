@@ -319,6 +319,7 @@ def _read_request(request) -> EngineRequest:
     # Like TensorRT-LLM: neither top-k nor top-p given means greedy decoding.
     unfiltered = _optional(request, "runtime_top_k") is None and _optional(request, "runtime_top_p") is None
     bad_words = _optional(request, "bad_words_list")
+    stop_words = _optional(request, "stop_words_list")
     penalties = Penalties(
         repetition=float(_scalar(request, "repetition_penalty", 1.0)),
         presence=float(_scalar(request, "presence_penalty", 0.0)),
@@ -344,4 +345,5 @@ def _read_request(request) -> EngineRequest:
         draft_tokens=None if drafts is None or drafts.size == 0 else drafts.reshape(-1),
         draft_logits=draft_logits,
         return_logits=bool(_scalar(request, "return_generation_logits", False)),
+        stop_words=() if stop_words is None or stop_words.size == 0 else read_word_list(stop_words),
     )

@@ -373,6 +373,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from coordinator.request.end_tokens import chat_template_text, end_token_ids
+
 target_dir, draft_dir, out_dir = (Path(p) for p in sys.argv[1:4])
 target_cfg = json.loads((target_dir / "config.json").read_text())
 draft_cfg = json.loads((draft_dir / "config.json").read_text())
@@ -386,14 +388,19 @@ if target_tok.get_vocab() != draft_tok.get_vocab():
 if not target_tok.is_fast:
     sys.exit("the target has no fast tokenizer (tokenizer.json); the coordinator needs one")
 
-eos: list[int] = []
-generation_config = target_dir / "generation_config.json"
-if generation_config.exists():
-    value = json.loads(generation_config.read_text()).get("eos_token_id")
-    eos += value if isinstance(value, list) else [value] if value is not None else []
-if target_tok.eos_token_id is not None:
-    eos.append(target_tok.eos_token_id)
-eos = sorted({int(e) for e in eos})
+# The pair's end ids as specdec-serve computes them for the cpu profile, in the
+# same order (coordinator/request/end_tokens.py): the first is the engines'
+# end_id, the others their stop words.
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+template_file = target_dir / "chat_template.jinja"
+eos = end_token_ids(
+    target_tok.get_vocab(), eos_token=target_tok.eos_token,
+    generation_config=read_json(target_dir / "generation_config.json"), model_config=target_cfg,
+    chat_template=chat_template_text(read_json(target_dir / "tokenizer_config.json"),
+                                     template_file.read_text() if template_file.is_file() else None))
 if not eos:
     sys.exit("no eos token id in the target checkpoint")
 pad = target_tok.pad_token_id if target_tok.pad_token_id is not None else eos[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from coordinator.request.end_tokens import chat_template_text, end_token_ids
 from coordinator.request.tokenizer import SPECIAL_TOKENS_FILE, SpecialTokens
 
 
@@ -44,13 +45,14 @@ def read_profile(model_dir: Path) -> TokenizerProfile:
             token = token.get("content")
         return vocab.get(token) if isinstance(token, str) else None
 
-    eos: list[int] = []
-    for value in (token_id("eos_token"), gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and item not in eos:
-                eos.append(item)
+    template_file = model_dir / "chat_template.jinja"
+    template = chat_template_text(tok_config, template_file.read_text() if template_file.is_file() else None)
+    eos_token = tok_config.get("eos_token")
+    eos = end_token_ids(vocab, eos_token=eos_token.get("content") if isinstance(eos_token, dict) else eos_token,
+                        generation_config=gen_config, model_config=model_config, chat_template=template)
     if not eos:
-        raise TokenizerMismatch(f"{model_dir}: no end-of-sequence token id in tokenizer_config/generation_config/config")
+        raise TokenizerMismatch(f"{model_dir}: no end-of-sequence token id in tokenizer_config/generation_config/"
+                                "config/chat template")
     pad = token_id("pad_token")
     if pad is None:
         pad = gen_config.get("pad_token_id", model_config.get("pad_token_id"))

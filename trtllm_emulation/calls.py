@@ -7,6 +7,9 @@ tell the difference.
   (TensorRT-LLM's sampling kernels do not advance the sequence length when
   the end id is drawn): a call whose first new token is the end returns no
   token at all.
+* A stop word (``stop_words_list``) ends the call after it: unlike the end
+  token it is returned and counted (TensorRT-LLM's stop criterion matches
+  tokens already written to the output).
 * Random numbers come from the call's own seed, drawn in order (one curand
   state initialised from ``random_seed`` per request).
 * ``draft_logits`` are read as q = softmax(draft_logits), with no
@@ -45,10 +48,11 @@ class PlainDecoding:
     Engines that batch many calls into one forward drive it step by step."""
 
     def __init__(self, max_new_tokens: int, params: SamplingParams, end_id: int | None,
-                 input_ids: Sequence[int] = ()):
+                 input_ids: Sequence[int] = (), stop_words: Sequence[Sequence[int]] = ()):
         self.max_new_tokens = max_new_tokens
         self.params = params
         self.end_id = end_id
+        self.stop_words = [tuple(int(t) for t in word) for word in stop_words if len(word)]
         self.history = history_for(input_ids, params)
         self.log_probs: list[float] | None = [] if params.log_probs else None
         self.rng = call_rng(params.seed)
@@ -69,13 +73,26 @@ class PlainDecoding:
         self.rows.append(logits)
         if self.log_probs is not None:
             self.log_probs.append(token_log_prob(scores, params, token))
-        if len(self.tokens) >= self.max_new_tokens:
+        if len(self.tokens) >= self.max_new_tokens or self._stopped():
             self.finished, self.fed = True, len(self.tokens) - 1
             return None
         return token
 
+    def _stopped(self) -> bool:
+        """Whether the tokens so far end with a stop word."""
+        return any(len(self.tokens) >= len(w) and tuple(self.tokens[-len(w):]) == w for w in self.stop_words)
+
     def result(self) -> CallResult:
         return CallResult(self.tokens, self.rows, self.fed, self.log_probs)
+
+
+def stop_word_end(tokens: Sequence[int], stop_words: Sequence[tuple[int, ...]], start: int = 0) -> int | None:
+    """The length of ``tokens`` up to the end of the first stop word completed
+    at or after position ``start`` (None: no stop word there)."""
+    for end in range(start + 1, len(tokens) + 1):
+        if any(end >= len(w) and tuple(tokens[end - len(w):end]) == w for w in stop_words):
+            return end
+    return None
 
 
 def generate(
@@ -85,11 +102,12 @@ def generate(
     params: SamplingParams,
     end_id: int | None,
     input_ids: Sequence[int] = (),
+    stop_words: Sequence[Sequence[int]] = (),
 ) -> CallResult:
     """Plain decoding: ``step(token)`` feeds one token and returns the logits
     of the next position; the first call feeds the prompt's last token
     (``input_ids``: the whole input, which penalties count)."""
-    decoding = PlainDecoding(max_new_tokens, params, end_id, input_ids)
+    decoding = PlainDecoding(max_new_tokens, params, end_id, input_ids, stop_words)
     feed: int | None = int(last_input)
     while feed is not None:
         feed = decoding.next_token(step(feed))
@@ -104,6 +122,7 @@ def verify(
     params: SamplingParams,
     end_id: int | None,
     input_ids: Sequence[int] = (),
+    stop_words: Sequence[Sequence[int]] = (),
 ) -> CallResult:
     """Verification of k draft tokens from the target's logits [k + 1, vocab]
     (row i predicts the position of draft token i; row k the bonus)."""
@@ -116,6 +135,8 @@ def verify(
         q = np.stack([maths.softmax(row) for row in np.asarray(draft_logits)])
         emitted = verify_by_rejection(rows, q, drafts, params, rng)
     tokens = before_end(emitted[:max_new_tokens], () if end_id is None else (end_id,))
+    words = [tuple(int(t) for t in word) for word in stop_words if len(word)]
+    tokens = tokens[:stop_word_end(tokens, words) or len(tokens)]
     fed = common_prefix_length(tokens, drafts)  # accepted drafts went through the forward pass
     log_probs = [token_log_prob(rows[i], params, t) for i, t in enumerate(tokens)] if params.log_probs else None
     return CallResult(tokens, [np.asarray(row) for row in target_logits[: len(tokens)]], fed, log_probs)

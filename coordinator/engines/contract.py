@@ -16,6 +16,9 @@ holds the three parts of that contract:
   - the end token is neither returned nor counted in ``sequence_length``, so a
     call that reached the end returns fewer tokens than it otherwise must
     (coordinator/verification/outcome.py reads the end from the counts);
+  - a stop word (``stop_words_list``: the pair's other end ids) ends the call
+    too, but it is returned and counted (TensorRT-LLM's stop criterion looks at
+    tokens already written); the loop cuts the text before every end id;
   - each call is a new request seeded from its own ``random_seed``;
   - ``draft_logits`` are read as q = softmax(draft_logits), without the
     target's temperature or top-k/top-p;
@@ -84,6 +87,7 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
         TensorSpec("frequency_penalty", "TYPE_FP32", (1,)),
         TensorSpec("min_length", "TYPE_INT32", (1,)),
         TensorSpec("bad_words_list", "TYPE_INT32", (2, -1)),
+        TensorSpec("stop_words_list", "TYPE_INT32", (2, -1)),
         TensorSpec("return_log_probs", "TYPE_BOOL", (1,)),
         TensorSpec("random_seed", "TYPE_UINT64", (1,)),
         TensorSpec("return_generation_logits", "TYPE_BOOL", (1,)),

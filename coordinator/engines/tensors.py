@@ -25,10 +25,13 @@ def engine_inputs(
     return_logits: bool = False,
     seed_input: str = "random_seed",
     streaming: bool = False,
+    stop_ids: Sequence[int] = (),
 ) -> dict[str, np.ndarray]:
     """``sampling.seed`` is this call's own seed, sent as ``seed_input``
     (``random_seed`` or ``seed``, by backend version). ``draft_logits`` are
-    sent as given: log q, which the backend reads through a plain softmax."""
+    sent as given: log q, which the backend reads through a plain softmax.
+    ``stop_ids``: the model's end ids other than ``end_id``, sent as one-token
+    stop words (TensorRT-LLM takes a single ``end_id``)."""
     def scalar(name: str, value) -> np.ndarray:
         return np.array([[value]], dtype=ENGINE_INPUTS[name].numpy_dtype)
 
@@ -55,6 +58,9 @@ def engine_inputs(
                 tensors[name] = scalar(name, value)
         if call.bad_words:
             tensors["bad_words_list"] = word_list(call.bad_words)
+    stop_words = [(int(i),) for i in stop_ids if int(i) != end_id]
+    if stop_words:
+        tensors["stop_words_list"] = word_list(stop_words)
     if draft_tokens:  # TensorRT-LLM asserts on an empty draft
         tensors["draft_input_ids"] = np.asarray(draft_tokens, dtype=np.int32).reshape(1, -1)
         if draft_logits is not None:
