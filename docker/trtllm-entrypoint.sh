@@ -71,7 +71,8 @@ if [ -f "${ENGINE_DIR}/build-info.json" ]; then
 fi
 
 # Triton's admin APIs answer only requests carrying the header
-# `specdec-admin-key: <key>`; health, metadata and inference stay open. Every
+# `specdec-admin-key: <key>`; health and metadata stay open, and inference
+# needs the API key (below). Every
 # model loads at start (--model-control-mode=explicit --load-model=*); loading
 # and unloading are model-repository calls, so only the key opens them: the
 # engine watchdog below reloads a dead engine with it. The
@@ -93,6 +94,34 @@ if [ "${#admin_key}" -lt 16 ] || [ "${#admin_key}" -gt 256 ]; then
     die "SPECDEC_ADMIN_KEY must be 16 to 256 characters long"
 fi
 restricted="${RESTRICTED_APIS}:${ADMIN_KEY_HEADER}=${admin_key}"
+
+# Inference (HTTP infer/generate, gRPC) answers only requests carrying the
+# header `specdec-api-key: <key>`; the OpenAI frontend asks its clients for the
+# same key (Authorization: Bearer) and passes it on. The key comes from
+# SPECDEC_API_KEY (Kubernetes: the Secret triton-specdec-api); without it the
+# container refuses to start unless SPECDEC_ALLOW_OPEN_INFERENCE=1 (a gateway in
+# front authenticates callers). As INFERENCE_APIS and check_access in
+# launcher/launch.py (tests/unit/test_security_config.py keeps them equal).
+INFERENCE_APIS="inference"
+API_KEY_HEADER="specdec-api-key"
+api_key="${SPECDEC_API_KEY:-}"
+unset SPECDEC_API_KEY  # tritonserver's flags, the frontend and the watchdog get it; the models do not
+inference_flags=()
+if [ -n "${api_key}" ]; then
+    case "${api_key}" in
+        *[!A-Za-z0-9._~+/-]*) die "SPECDEC_API_KEY may only contain letters, digits and ._~+/- (e.g. openssl rand -hex 32)" ;;
+    esac
+    if [ "${#api_key}" -lt 16 ] || [ "${#api_key}" -gt 256 ]; then
+        die "SPECDEC_API_KEY must be 16 to 256 characters long"
+    fi
+    [ "${api_key}" != "${admin_key}" ] \
+        || die "SPECDEC_API_KEY must differ from SPECDEC_ADMIN_KEY: every client holds the API key, and the admin key opens model loading"
+    inference_restricted="${INFERENCE_APIS}:${API_KEY_HEADER}=${api_key}"
+    inference_flags=("--http-restricted-api=${inference_restricted}" "--grpc-restricted-protocol=${inference_restricted}")
+elif [ "${SPECDEC_ALLOW_OPEN_INFERENCE:-}" != "1" ]; then
+    die "SPECDEC_API_KEY is not set: inference would be open to everyone who can reach the ports;" \
+        "set it (Kubernetes: the Secret triton-specdec-api), or SPECDEC_ALLOW_OPEN_INFERENCE=1 if a gateway in front authenticates callers"
+fi
 
 # Two TensorRT-LLM models in one server need orchestrator mode: each model's
 # executor runs in a worker process spawned through MPI (as NVIDIA's
@@ -140,6 +169,7 @@ mpirun --allow-run-as-root -n 1 \
     --load-model='*' \
     --http-restricted-api="${restricted}" \
     --grpc-restricted-protocol="${restricted}" \
+    "${inference_flags[@]}" \
     --disable-auto-complete-config \
     --http-port=8000 \
     --grpc-port=8001 \
@@ -153,8 +183,9 @@ children+=("$!")
 
 # The tokenizer directory build_engines.sh wrote holds the chat template too;
 # the frontend listens once the coordinator is ready (engines load for minutes).
+# It gets the API key in its environment, never on its command line.
 if [ "${OPENAI_PORT}" != "0" ]; then
-    python3 -m frontend.openai_server --host 0.0.0.0 --port "${OPENAI_PORT}" --grpc-url 127.0.0.1:8001 \
+    SPECDEC_API_KEY="${api_key}" python3 -m frontend.openai_server --host 0.0.0.0 --port "${OPENAI_PORT}" --grpc-url 127.0.0.1:8001 \
         --tokenizer-dir "${SPECDEC_TOKENIZER_DIR}" --wait-for-server 3600 &
     children+=("$!")
 fi
@@ -164,9 +195,10 @@ fi
 # died, or it stopped answering for 30 s) is loaded again through the
 # model-repository API (the target unloaded first, so the server is not ready
 # meanwhile; the draft in place). Only this process gets the admin key, in its own
-# environment (the watchdog drops it from there at start).
+# environment (the watchdog drops it and the API key, which its probes send, from
+# there at start).
 if [ "${SPECDEC_WATCHDOG:-1}" != "0" ]; then
-    SPECDEC_ADMIN_KEY="${admin_key}" python3 -m selfheal.watchdog --detect probe --probe-interval 5 \
+    SPECDEC_ADMIN_KEY="${admin_key}" SPECDEC_API_KEY="${api_key}" python3 -m selfheal.watchdog --detect probe --probe-interval 5 \
         --probe-timeout 30 --load-timeout 600 --wait-for-server 3600 \
         --metrics-address 0.0.0.0 --metrics-port "${WATCHDOG_PORT}" &
     children+=("$!")

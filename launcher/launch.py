@@ -4,6 +4,7 @@ the cpu profile in the foreground (README command 1)."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import secrets
@@ -22,6 +23,7 @@ import coordinator
 from cpu_engine.turns import TURNS_VARIABLE
 from launcher import assets, engine_watchdog, openai_frontend, profiles, shm_regions, tritonserver
 from selfheal import exposition, readiness
+from coordinator.request.access import API_KEY_HEADER, API_KEY_VAR, GRPC_API_KEY_HEADER, api_key_from_env
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
@@ -37,6 +39,15 @@ RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "statist
 MODEL_CONTROL_ARGS = ("--model-control-mode=explicit", "--load-model=*")
 # Triton's gRPC endpoint expects the header with this prefix (gRPC metadata key).
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
+# With an API key (SPECDEC_API_KEY), Triton's inference category answers only
+# requests carrying it in API_KEY_HEADER (coordinator/request/access.py), on
+# HTTP (infer, generate, generate_stream) and gRPC alike; the OpenAI frontend
+# asks its clients for the same key. Health and metadata stay open (probes).
+INFERENCE_APIS = ("inference",)
+# Without an API key, listening beyond loopback needs this set to 1: inference
+# is then open to everyone who can reach the ports (an authenticating gateway
+# in front, for example).
+ALLOW_OPEN_INFERENCE_VAR = "SPECDEC_ALLOW_OPEN_INFERENCE"
 # Defaults for the model processes' CPU runtime (measurements in the README):
 ENGINE_ENV_DEFAULTS = {
     # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape,
@@ -59,28 +70,72 @@ _ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/-]{16,256}")
 
 
 class AdminKeyError(ValueError):
-    pass
+    """A key setting (SPECDEC_ADMIN_KEY, SPECDEC_API_KEY) that cannot be used."""
+
+
+class OpenInferenceError(ValueError):
+    """Inference would be open beyond loopback without anyone having asked for that."""
 
 
 def new_admin_key() -> str:
     return secrets.token_hex(32)
 
 
-def check_admin_key(key: str) -> str:
-    """16-256 characters of [A-Za-z0-9._~+/-]: it goes into Triton's flag syntax
+def check_key(key: str, variable: str) -> str:
+    """16-256 characters of [A-Za-z0-9._~+/-]: a key goes into Triton's flag syntax
     (apis:header=key), where ':' ',' '=' or spaces would change its meaning."""
     if not _ADMIN_KEY_PATTERN.fullmatch(key):
         raise AdminKeyError(
-            f"{ADMIN_KEY_VAR} must be 16 to 256 characters of letters, digits and ._~+/- "
+            f"{variable} must be 16 to 256 characters of letters, digits and ._~+/- "
             f"(e.g. `openssl rand -hex 32`); got {len(key)} characters"
         )
     return key
+
+
+def check_admin_key(key: str) -> str:
+    return check_key(key, ADMIN_KEY_VAR)
 
 
 def restricted_api_args(admin_key: str) -> list[str]:
     """tritonserver flags that put RESTRICTED_APIS behind the admin key."""
     setting = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={check_admin_key(admin_key)}"
     return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
+
+def inference_api_args(api_key: str | None) -> list[str]:
+    """tritonserver flags that put inference behind the API key (none without a key).
+    Triton takes a second pair of restricted-API flags for a second category
+    and key; each category in one flag only."""
+    if api_key is None:
+        return []
+    setting = f"{','.join(INFERENCE_APIS)}:{API_KEY_HEADER}={check_key(api_key, API_KEY_VAR)}"
+    return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_access(options: ServerOptions) -> None:
+    """Refuse settings that would hand out more than their holder asked for:
+    an API key equal to the admin key (a client could then load models),
+    or inference open beyond loopback without ALLOW_OPEN_INFERENCE_VAR."""
+    check_admin_key(options.admin_key)
+    if options.api_key is not None:
+        check_key(options.api_key, API_KEY_VAR)
+        if options.api_key == options.admin_key:
+            raise AdminKeyError(f"{API_KEY_VAR} must differ from {ADMIN_KEY_VAR}: every client holds the API key, "
+                                "and the admin key opens model loading")
+    elif not is_loopback(options.address) and not options.allow_open_inference:
+        raise OpenInferenceError(
+            f"listening on {options.address} without {API_KEY_VAR} would open inference to everyone who can "
+            f"reach the ports: set {API_KEY_VAR} (e.g. `openssl rand -hex 32`; clients send it too), or "
+            f"{ALLOW_OPEN_INFERENCE_VAR}=1 (--allow-open-inference) if a gateway in front authenticates callers")
 
 
 @dataclass
@@ -104,6 +159,11 @@ class ServerOptions:
     # start unless given (SPECDEC_ADMIN_KEY). Never printed or logged.
     admin_key: str = field(default_factory=new_admin_key, repr=False)
     admin_key_from_env: bool = False
+    # Key of the inference APIs (Triton's and the OpenAI frontend's); None:
+    # inference is open, which check_access allows on loopback addresses or
+    # with allow_open_inference only. Never printed or logged.
+    api_key: str | None = field(default=None, repr=False)
+    allow_open_inference: bool = False
     # Names this server's Python-backend regions in /dev/shm (launcher/shm_regions.py).
     shm_region_prefix: str = field(default_factory=lambda: shm_regions.prefix(os.getpid()))
 
@@ -132,6 +192,7 @@ def server_command(options: ServerOptions, install: tritonserver.TritonInstall) 
         f"--backend-directory={install.backend_dir}",
         *MODEL_CONTROL_ARGS,
         *restricted_api_args(options.admin_key),
+        *inference_api_args(options.api_key),
         "--strict-readiness=true",
         "--exit-on-error=true",
         f"--http-address={options.address}",
@@ -166,7 +227,8 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
         env.setdefault(name, value)
     env.setdefault(TURNS_VARIABLE, str(forward_turns_path(options)))
     env.update(options.extra_env)
-    env.pop(ADMIN_KEY_VAR, None)  # the key goes to tritonserver's flags only, never to the models
+    for secret in (ADMIN_KEY_VAR, API_KEY_VAR):  # the keys go to tritonserver's flags only, never to the models
+        env.pop(secret, None)
     return env
 
 
@@ -232,6 +294,15 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
     parser.add_argument("--sim-preset", default=env.get(profiles.PRESET_VAR, profiles.DEFAULT_PRESET),
                         help=f"the sim profile's step times and acceptance: {', '.join(profiles.PRESETS)} "
                              f"[{profiles.PRESET_VAR}, {profiles.DEFAULT_PRESET}]")
+    parser.add_argument("--allow-open-inference", action="store_true",
+                        default=env.get(ALLOW_OPEN_INFERENCE_VAR, "") == "1",
+                        help=f"serve inference without {API_KEY_VAR} on an address beyond loopback (a gateway in "
+                             f"front authenticates callers) [{ALLOW_OPEN_INFERENCE_VAR}=1]")
+    parser.epilog = (f"Keys, from the environment only (never flags, which every user can read): {API_KEY_VAR}, "
+                     f"the key inference clients send (header {API_KEY_HEADER}, gRPC {GRPC_API_KEY_HEADER}, "
+                     f"OpenAI 'Authorization: Bearer'); unset: inference is open, allowed on loopback only "
+                     f"unless --allow-open-inference. {ADMIN_KEY_VAR}: the admin APIs' key (header "
+                     f"{ADMIN_KEY_HEADER}); unset: a random one per start, shown nowhere.")
     args = parser.parse_args(argv)
     key = env.get(ADMIN_KEY_VAR, "").strip()
     return ServerOptions(
@@ -241,6 +312,7 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
         log_verbose=args.log_verbose, profile=args.profile, sim_preset=args.sim_preset,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
         admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
+        api_key=api_key_from_env(env), allow_open_inference=args.allow_open_inference,
     )
 
 
@@ -248,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     options = _parse_args(argv)
     try:
         profiles.check(options.profile, options.sim_preset, options.model_repository)
-        check_admin_key(options.admin_key)
+        check_access(options)
         pair = prepare(options)
-    except (AdminKeyError, assets.AssetError, TokenizerMismatch, tritonserver.TritonNotFound,
-            profiles.ProfileError) as error:
+    except (AdminKeyError, OpenInferenceError, assets.AssetError, TokenizerMismatch,
+            tritonserver.TritonNotFound, profiles.ProfileError) as error:
         print(f"specdec-serve: {error}", file=sys.stderr)
         return 2
     orphans = shm_regions.remove_orphans(os.getpid())
@@ -290,12 +362,13 @@ def _serve(options: ServerOptions, pair: PreparedPair, process: subprocess.Popen
     if engine_watchdog.enabled():
         children.append(engine_watchdog.start(readiness.local_url(options.address, options.http_port), process.pid,
                                               options.admin_key, ADMIN_KEY_VAR, options.address,
-                                              options.watchdog_port))
+                                              options.watchdog_port, api_key=options.api_key))
     openai = ""
     if options.openai_port:
         url = openai_frontend.base_url(options.address, options.openai_port)
         frontend = openai_frontend.start(f"{readiness.local_host(options.address)}:{options.grpc_port}", pair.target_dir,
-                                         options.address, options.openai_port, secret_vars=(ADMIN_KEY_VAR,))
+                                         options.address, options.openai_port, secret_vars=(ADMIN_KEY_VAR,),
+                                         api_key=options.api_key)
         children.append(frontend)
         try:
             openai_frontend.wait_until_ready(frontend, url)
@@ -315,6 +388,13 @@ def _serve(options: ServerOptions, pair: PreparedPair, process: subprocess.Popen
                   else f"a random key made for this run and shown nowhere (set {ADMIN_KEY_VAR} to choose one)")
     print(f"specdec: admin APIs ({', '.join(RESTRICTED_APIS)}) need header {ADMIN_KEY_HEADER} (HTTP) or "
           f"{GRPC_ADMIN_KEY_HEADER} (gRPC) with {key_source}", flush=True)
+    if options.api_key is not None:
+        print(f"specdec: inference needs the key in {API_KEY_VAR}: header {API_KEY_HEADER} (HTTP), "
+              f"{GRPC_API_KEY_HEADER} (gRPC), 'Authorization: Bearer' (OpenAI); the tools read {API_KEY_VAR}",
+              flush=True)
+    else:
+        print(f"specdec: inference is open to everyone who can reach {options.address} (no {API_KEY_VAR})",
+              flush=True)
     return _supervise(process, children[1:], lambda: stopping)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from coordinator.request.access import API_KEY_VAR
 from selfheal import readiness
 
 DEFAULT_PORT = 9000
@@ -22,8 +23,13 @@ def command(grpc_url: str, tokenizer_dir: Path, address: str, port: int) -> list
             "--grpc-url", grpc_url, "--tokenizer-dir", str(tokenizer_dir)]
 
 
-def environment(secret_vars: tuple[str, ...] = ()) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items() if name not in secret_vars}
+def environment(secret_vars: tuple[str, ...] = (), api_key: str | None = None) -> dict[str, str]:
+    """The launcher's environment without ``secret_vars``, with the API key in
+    API_KEY_VAR (the frontend reads it there, never from its command line,
+    which every user can read) or without one."""
+    env = {name: value for name, value in os.environ.items() if name not in secret_vars and name != API_KEY_VAR}
+    if api_key is not None:
+        env[API_KEY_VAR] = api_key
     # transformers imports torch for the chat template; it never computes here,
     # so one thread keeps it off the engines' cores.
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -31,9 +37,9 @@ def environment(secret_vars: tuple[str, ...] = ()) -> dict[str, str]:
 
 
 def start(grpc_url: str, tokenizer_dir: Path, address: str, port: int, secret_vars: tuple[str, ...] = (),
-          **popen_kwargs) -> subprocess.Popen:
-    return subprocess.Popen(command(grpc_url, tokenizer_dir, address, port), env=environment(secret_vars),
-                            **popen_kwargs)
+          api_key: str | None = None, **popen_kwargs) -> subprocess.Popen:
+    return subprocess.Popen(command(grpc_url, tokenizer_dir, address, port),
+                            env=environment(secret_vars, api_key), **popen_kwargs)
 
 
 def base_url(address: str, port: int) -> str:

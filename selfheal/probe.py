@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from coordinator.engines.tensors import REQUESTED_OUTPUTS, engine_inputs
+from coordinator.request.access import grpc_headers
 from coordinator.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(top_k=1)
@@ -26,12 +27,15 @@ def probe_inputs(seed_input: str = "random_seed") -> list[grpcclient.InferInput]
     return inputs
 
 
-def probe(grpc_url: str, model: str, timeout: float, seed_input: str = "random_seed") -> tuple[bool, str]:
-    """(True, "") when ``model`` answered within ``timeout`` seconds, else (False, why)."""
+def probe(grpc_url: str, model: str, timeout: float, seed_input: str = "random_seed",
+          api_key: str | None = None) -> tuple[bool, str]:
+    """(True, "") when ``model`` answered within ``timeout`` seconds, else (False, why).
+    ``api_key``: Triton's inference key, when it has one (a probe is an inference call)."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=timeout)
+        client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=timeout,
+                            headers=grpc_headers(api_key))
         client.async_stream_infer(model, probe_inputs(seed_input), enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput(name) for name in REQUESTED_OUTPUTS])
         while True:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from coordinator.request.access import API_KEY_VAR, api_key_from_env
 from selfheal import exposition, probe, readiness, stubs, triton_admin
 from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
 
@@ -29,10 +30,12 @@ def say(message: str) -> None:
 class Watcher:
     """Checks one engine and reloads it when the decision logic says so."""
 
-    def __init__(self, model: str, args, admin_key: str, settings: Settings, stop: threading.Event):
+    def __init__(self, model: str, args, admin_key: str, settings: Settings, stop: threading.Event,
+                 api_key: str | None = None):
         self.model = model
         self.args = args
         self.admin_key = admin_key
+        self.api_key = api_key  # the probes are inference calls: Triton asks for the API key if it has one
         self.health = EngineHealth(model, settings)
         self.stop = stop
         self.gave_up = False
@@ -58,7 +61,8 @@ class Watcher:
             return False, f"its stub process {', '.join(map(str, dead))} exited"
         if "probe" in self.args.detect and now >= self.next_probe:
             self.next_probe = now + self.args.probe_interval
-            return probe.probe(self.args.grpc_url, self.model, self.args.probe_timeout, self.args.seed_input)
+            return probe.probe(self.args.grpc_url, self.model, self.args.probe_timeout, self.args.seed_input,
+                               self.api_key)
         return True, ""
 
     def replaced(self, dead: list[int]) -> bool:
@@ -175,6 +179,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     admin_key = os.environ.pop(triton_admin.ADMIN_KEY_VAR, "")
+    api_key = api_key_from_env()
+    os.environ.pop(API_KEY_VAR, None)
     if not admin_key:
         say(f"{triton_admin.ADMIN_KEY_VAR} is not set: without the admin key no engine can be reloaded")
         return 2
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
             say(str(error))
             return 1
     stop = threading.Event()
-    watchers = [Watcher(model, args, admin_key, settings, stop) for model in args.models]
+    watchers = [Watcher(model, args, admin_key, settings, stop, api_key) for model in args.models]
     if args.metrics_port:
         try:
             exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers])

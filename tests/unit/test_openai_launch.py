@@ -69,6 +69,7 @@ def test_waiting_for_a_frontend_that_exits_fails_fast():
 ENTRYPOINT = Path(__file__).resolve().parents[2] / "docker" / "trtllm-entrypoint.sh"
 FAKE = """#!/bin/bash
 echo "{name} $*" >> "$LOG"
+echo "{name} has SPECDEC_API_KEY=${{SPECDEC_API_KEY:-}}" >> "$LOG"
 sleep "${{{var}_SECONDS:-30}}" > /dev/null 2>&1 &
 trap 'echo "{name} stopped" >> "$LOG"; kill $!; exit 0' TERM
 wait $!
@@ -81,7 +82,8 @@ def entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[list[str], dict,
     python3 that log their command lines and the signals they get."""
     text = ENTRYPOINT.read_text()
     tail = text[text.index("children=()"):]
-    program = ('restricted=x; admin_key=k; MODEL_REPOSITORY=/models; cuda_pools=(); '
+    program = ('restricted=x; admin_key=k; api_key=the-api-key; inference_flags=(--inference-flag); '
+               'MODEL_REPOSITORY=/models; cuda_pools=(); '
                f'SPECDEC_TOKENIZER_DIR=/engines/tokenizer; OPENAI_PORT={openai_port}; WATCHDOG_PORT=8003\n' + tail)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -106,6 +108,12 @@ def test_the_trtllm_entrypoint_starts_the_frontend_next_to_triton_and_stops_trit
     assert frontend.split()[1:5] == ["-m", "frontend.openai_server", "--host", "0.0.0.0"]
     assert "--port 9000 --grpc-url 127.0.0.1:8001 --tokenizer-dir /engines/tokenizer" in frontend
     assert "mpirun stopped" in log
+    # The API key: on Triton's command line (its only way to take it), in the
+    # frontend's and the watchdog's environment, never on their command lines.
+    assert "--inference-flag" in log.splitlines()[0]
+    assert log.count("python3 has SPECDEC_API_KEY=the-api-key") == 2
+    assert "mpirun has SPECDEC_API_KEY=\n" in log
+    assert not [line for line in log.splitlines() if line.startswith("python3 -m") and "the-api-key" in line]
 
 
 def test_the_trtllm_entrypoint_stops_the_frontend_with_triton(tmp_path):

@@ -126,3 +126,124 @@ def test_the_documented_threat_model_matches_the_launch_flags():
     assert "127.0.0.1" in section and launch.ServerOptions().address == "127.0.0.1"
     for port in (8000, 8001, 8002):
         assert f"| {port} |" in section
+
+
+# ------------------------------------------------------- the inference key ----
+
+API_KEY = "the-api-key-0123456789"
+
+
+def test_with_an_api_key_inference_is_restricted_to_it_and_the_admin_apis_stay_on_theirs(tmp_path):
+    options = launch.ServerOptions(admin_key="k" * 32, api_key=API_KEY)
+    command = launch.server_command(options, fake_install(tmp_path))
+    inference = f"inference:specdec-api-key={API_KEY}"
+    assert f"--http-restricted-api={inference}" in command and f"--grpc-restricted-protocol={inference}" in command
+    admin = f"{','.join(launch.RESTRICTED_APIS)}:specdec-admin-key={'k' * 32}"
+    assert f"--http-restricted-api={admin}" in command  # each category in one flag only: Triton's rule
+    assert launch.INFERENCE_APIS == ("inference",) and not set(launch.INFERENCE_APIS) & set(launch.RESTRICTED_APIS)
+    assert (launch.API_KEY_HEADER, launch.GRPC_API_KEY_HEADER) == (
+        "specdec-api-key", "triton-grpc-protocol-specdec-api-key")
+    without = launch.server_command(launch.ServerOptions(admin_key="k" * 32), fake_install(tmp_path))
+    assert not [arg for arg in without if "inference:" in arg]
+
+
+def test_the_api_key_comes_from_the_environment_only_and_is_never_shown(monkeypatch):
+    monkeypatch.setenv("SPECDEC_API_KEY", f" {API_KEY} ")
+    options = launch._parse_args([])
+    assert options.api_key == API_KEY and API_KEY not in repr(options)
+    monkeypatch.setenv("SPECDEC_API_KEY", "")
+    assert launch._parse_args([]).api_key is None
+    with pytest.raises(SystemExit):  # there is no flag that would put it where `ps` shows it
+        launch._parse_args(["--api-key", API_KEY])
+
+
+@pytest.mark.parametrize("key", ["short", "has space in it 0123", "a:b=c,d0123456789"])
+def test_an_api_key_that_would_break_the_flag_syntax_is_refused_by_name(key):
+    with pytest.raises(launch.AdminKeyError, match="SPECDEC_API_KEY must be 16 to 256 characters"):
+        launch.check_access(launch.ServerOptions(api_key=key))
+
+
+def test_the_api_key_must_differ_from_the_admin_key():
+    with pytest.raises(launch.AdminKeyError, match="SPECDEC_API_KEY must differ from SPECDEC_ADMIN_KEY"):
+        launch.check_access(launch.ServerOptions(admin_key=API_KEY, api_key=API_KEY))
+
+
+@pytest.mark.parametrize("address,allowed", [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                             ("0.0.0.0", False), ("10.1.2.3", False), ("my-host", False)])
+def test_open_inference_beyond_loopback_needs_to_be_asked_for(address, allowed):
+    options = launch.ServerOptions(address=address)
+    if allowed:
+        launch.check_access(options)
+    else:
+        with pytest.raises(launch.OpenInferenceError, match="without SPECDEC_API_KEY would open inference"):
+            launch.check_access(options)
+        launch.check_access(launch.ServerOptions(address=address, allow_open_inference=True))
+        launch.check_access(launch.ServerOptions(address=address, api_key=API_KEY))
+
+
+def test_specdec_serve_refuses_to_start_with_inference_open_to_the_network(monkeypatch, capsys):
+    for name in ("SPECDEC_API_KEY", "SPECDEC_ALLOW_OPEN_INFERENCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECDEC_ADDRESS", "0.0.0.0")
+    monkeypatch.setattr(launch, "prepare", lambda options: pytest.fail("started preparing the models"))
+    assert launch.main([]) == 2
+    error = capsys.readouterr().err
+    assert "SPECDEC_API_KEY" in error and "SPECDEC_ALLOW_OPEN_INFERENCE=1" in error
+    monkeypatch.setenv("SPECDEC_ALLOW_OPEN_INFERENCE", "1")
+    assert launch._parse_args([]).allow_open_inference
+    assert launch._parse_args(["--allow-open-inference"]).allow_open_inference
+
+
+def test_only_the_frontend_and_the_watchdog_get_the_api_key(tmp_path, monkeypatch):
+    from launcher import engine_watchdog, openai_frontend
+
+    monkeypatch.setenv("SPECDEC_API_KEY", API_KEY)
+    pair = launch.PreparedPair(tmp_path, tmp_path, tmp_path)
+    env = launch.server_environment(launch._parse_args([]), pair, fake_install(tmp_path))
+    assert "SPECDEC_API_KEY" not in env and API_KEY not in " ".join(env.values())  # not the models'
+    assert openai_frontend.environment(api_key=API_KEY)["SPECDEC_API_KEY"] == API_KEY
+    assert "SPECDEC_API_KEY" not in openai_frontend.environment()  # an inherited one is not passed on
+    assert engine_watchdog.environment("k" * 32, "SPECDEC_ADMIN_KEY", API_KEY)["SPECDEC_API_KEY"] == API_KEY
+    command = openai_frontend.command("127.0.0.1:8001", tmp_path, "127.0.0.1", 9000)
+    assert API_KEY not in " ".join(command)
+
+
+def test_the_trtllm_entrypoint_restricts_inference_as_the_launcher_does():
+    text = ENTRYPOINT.read_text()
+    apis = re.search(r'^INFERENCE_APIS="([^"]*)"', text, re.MULTILINE).group(1)
+    assert tuple(apis.split(",")) == launch.INFERENCE_APIS
+    assert re.search(r'^API_KEY_HEADER="([^"]*)"', text, re.MULTILINE).group(1) == launch.API_KEY_HEADER
+    assert '"${inference_flags[@]}"' in text and "unset SPECDEC_API_KEY" in text
+
+
+def entrypoint_api_key_logic() -> str:
+    """The entrypoint's key handling, both keys, runnable on its own."""
+    text = ENTRYPOINT.read_text()
+    start = text.index('RESTRICTED_APIS="')
+    end = text.index("\nfi\n", text.index('INFERENCE_APIS="')) + 4
+    return ('die() { echo "error: $*" >&2; exit 1; }\n' + text[start:end]
+            + 'echo "${inference_flags[*]}"; echo "${SPECDEC_API_KEY:-unset}"\n')
+
+
+@pytest.mark.parametrize("env,ok", [
+    ({}, False),
+    ({"SPECDEC_ALLOW_OPEN_INFERENCE": "1"}, True),
+    ({"SPECDEC_API_KEY": API_KEY}, True),
+    ({"SPECDEC_API_KEY": "short"}, False),
+    ({"SPECDEC_API_KEY": "bad key with spaces!"}, False),
+    ({"SPECDEC_API_KEY": API_KEY, "SPECDEC_ADMIN_KEY": API_KEY}, False),
+])
+def test_the_trtllm_entrypoint_api_key_handling(env, ok):
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", entrypoint_api_key_logic()],
+                         env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
+    assert (run.returncode == 0) is ok, run.stderr
+    if not ok:
+        assert "SPECDEC_API_KEY" in run.stderr
+        return
+    flags, exported = run.stdout.rstrip("\n").split("\n")
+    assert exported == "unset"  # tritonserver's environment, and so the models', has no key
+    if "SPECDEC_API_KEY" in env:
+        setting = f"inference:specdec-api-key={API_KEY}"
+        assert flags.split() == [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+    else:
+        assert flags == ""

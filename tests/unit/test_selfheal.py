@@ -4,6 +4,7 @@ its loop, without a server (selfheal/)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -253,7 +254,8 @@ def test_the_loop_reloads_a_dead_engine_and_watches_it_again(monkeypatch):
     stop = threading.Event()
     reloads = []
 
-    def fake_probe(url, model, timeout, seed_input):
+    def fake_probe(url, model, timeout, seed_input, api_key):
+        assert api_key == "a" * 32  # a probe is an inference call: it carries the API key
         try:
             return next(answers)
         except StopIteration:
@@ -264,7 +266,7 @@ def test_the_loop_reloads_a_dead_engine_and_watches_it_again(monkeypatch):
     monkeypatch.setattr(triton_admin, "reload", lambda url, model, key, timeout: reloads.append(("unload", model)))
     monkeypatch.setattr(triton_admin, "reload_in_place",
                         lambda url, model, key, timeout: reloads.append(("in place", model, key)))
-    watcher = watchdog.Watcher("draft", watcher_args(), "k" * 32, Settings(failures_to_act=2), stop)
+    watcher = watchdog.Watcher("draft", watcher_args(), "k" * 32, Settings(failures_to_act=2), stop, "a" * 32)
     watcher.run()
     assert reloads == [("in place", "draft", "k" * 32)]  # the server stays ready without its draft
     assert watcher.health.serving and watcher.health.recoveries == 1 and not watcher.gave_up
@@ -355,7 +357,27 @@ def test_the_launcher_starts_the_watchdog_with_the_key_and_this_servers_stubs():
     assert command[1:3] == ["-m", "selfheal.watchdog"]
     assert "--server-pid" in command and "4242" in command and "stubs" in command
     env = launch.engine_watchdog.environment("k" * 32, launch.ADMIN_KEY_VAR)
-    assert env[launch.ADMIN_KEY_VAR] == "k" * 32
+    assert env[launch.ADMIN_KEY_VAR] == "k" * 32 and launch.API_KEY_VAR not in env
+    env = launch.engine_watchdog.environment("k" * 32, launch.ADMIN_KEY_VAR, "a" * 32)
+    assert env[launch.API_KEY_VAR] == "a" * 32  # for its probes, which are inference calls
+
+
+def test_the_watchdog_takes_the_api_key_out_of_its_environment_and_probes_with_it(monkeypatch):
+    monkeypatch.setenv("SPECDEC_ADMIN_KEY", "k" * 32)
+    monkeypatch.setenv("SPECDEC_API_KEY", "a" * 32)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def first_watcher(model, args, admin_key, settings, stop, api_key=None):
+        seen.update(api_key=api_key, env=os.environ.get("SPECDEC_API_KEY"))
+        raise Stop
+
+    monkeypatch.setattr(watchdog, "Watcher", first_watcher)
+    with pytest.raises(Stop):
+        watchdog.main(["--metrics-port", "0", "--detect", "probe"])
+    assert seen == {"api_key": "a" * 32, "env": None}
 
 
 def test_the_launcher_loads_every_model_under_explicit_control(tmp_path):
