@@ -76,7 +76,7 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
     """``auto``: bfloat16 where the CPU has native bfloat16 arithmetic, else float32.
 
-    Measured (python -m cpu_engine.measure): with native bf16 a
+    Measured (python -m tools.measure_forwards): with native bf16 a
     bf16 forward over 8 tokens costs what one token costs; without it bf16
     arithmetic is emulated and only float32 verifies several tokens cheaply.
     """

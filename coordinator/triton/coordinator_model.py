@@ -42,6 +42,7 @@ from coordinator.engines.tensors import (
 )
 from coordinator.policy.costmodel import CostModel
 from coordinator.policy.governor import LoadGovernor
+from coordinator.request.admission import Admission, refusal_message
 from coordinator.request.api import INPUT_NAMES
 from coordinator.request.parse import InputError, check_parameters, parse_request
 from coordinator.request.tokenizer import Codec, SpecialTokens
@@ -245,6 +246,8 @@ class TritonPythonModel:
         families: dict[str, object] = {}
         self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec), costs=self.costs)
         self._metric_families = families  # keep the families alive as long as the model
+        self.admission = Admission(self.settings.max_inflight_requests)
+        self.metrics.admission(0, self.admission.limit)
         log.info("coordinator ready: %s", self.settings)
 
     async def execute(self, requests):
@@ -253,6 +256,26 @@ class TritonPythonModel:
 
     async def _serve(self, request) -> None:
         sender = request.get_response_sender()
+        slot = self.admission.admit()
+        if slot is None:  # at max_inflight_requests: refused at once, before any work
+            self.metrics.refused()
+            error = pb_utils.TritonError(refusal_message(self.admission.limit), pb_utils.TritonError.UNAVAILABLE)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
+        self.metrics.admission(self.admission.in_flight, self.admission.limit)
+
+        def release() -> None:
+            """Before the final response goes out: a client that sends its next
+            request once it has this one's end finds its slot free."""
+            slot.release()
+            self.metrics.admission(self.admission.in_flight, self.admission.limit)
+
+        try:
+            await self._generate(request, sender, release)
+        finally:
+            release()
+
+    async def _generate(self, request, sender, release) -> None:
         metrics = self.metrics.start_request()
         outcome = "error"
         try:
@@ -282,6 +305,7 @@ class TritonPythonModel:
                     # metrics port never lags the responses (the stream's clean-up follows).
                     outcome = "success"
                     metrics.finish(outcome)
+                    release()
                 if generation.stream:
                     if chunk.text or chunk.final:
                         sender.send(_response(chunk.text, chunk if chunk.final else None),
@@ -293,19 +317,23 @@ class TritonPythonModel:
             outcome = "success"
         except RequestCancelled:
             outcome = "cancelled"
+            release()
             log.info("request cancelled by the client; stopped after the current round")
             try:
                 sender.send(flags=FINAL)
             except Exception as error:  # the client is gone; nothing is waiting for it
                 log.info("final flag of a cancelled request not sent: %s", error)
         except InputError as error:
+            release()
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except EngineError as error:
             log.error("engine failure: %s", error)
             self.governor.disrupted()
+            release()
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
         except Exception as error:  # never leave a stream open
             log.exception("coordinator failure")
+            release()
             sender.send(
                 pb_utils.InferenceResponse(error=pb_utils.TritonError(f"coordinator internal error: {error}")),
                 flags=FINAL,
