@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from coordinator.request.access import grpc_headers
 from coordinator.request.api import INPUTS, Statistics
 
 MODEL = "coordinator"
@@ -62,9 +63,11 @@ def infer_inputs(values: Mapping[str, object]) -> list[grpcclient.InferInput]:
 
 
 class CoordinatorClient:
-    def __init__(self, url: str, model: str = MODEL):
+    def __init__(self, url: str, model: str = MODEL, api_key: str | None = None):
+        """``api_key``: Triton's inference key, sent with every request (None: none)."""
         self.url = url
         self.model = model
+        self._headers = grpc_headers(api_key)
         self._client = grpcaio.InferenceServerClient(url)
 
     async def ready(self) -> bool:
@@ -85,7 +88,7 @@ class CoordinatorClient:
             yield request
             await finished.wait()  # half-closing before the final response could end the stream early
 
-        call = self._client.stream_infer(requests())
+        call = self._client.stream_infer(requests(), headers=self._headers)
         complete = False
         try:
             async for result, error in call:

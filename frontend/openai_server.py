@@ -5,27 +5,35 @@ A thin adapter: ``frontend.requests`` maps the request, ``frontend.responses``
 builds what goes back, ``frontend.coordinator_client`` streams from Triton.
 A streamed request sends each coordinator response as an SSE chunk as it
 arrives; a client that goes away cancels its gRPC stream, so the coordinator
-stops generating for nobody."""
+stops generating for nobody.
+
+With an API key (``SPECDEC_API_KEY`` in its environment, never a flag) every
+endpoint but ``/health`` answers only requests that carry it as OpenAI
+clients send it, ``Authorization: Bearer <key>`` (401 otherwise), and the
+frontend passes the key on to Triton, whose inference API needs it too."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import hmac
 import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import Body, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from coordinator.request.access import API_KEY_VAR, api_key_from_env
 from coordinator.settings import CoordinatorSettings
 from frontend import errors, requests, responses
 from frontend.coordinator_client import CoordinatorClient, CoordinatorFailure, Piece
@@ -41,16 +49,45 @@ class Settings:
     grpc_url: str = "127.0.0.1:8001"
     model: str = requests.MODEL
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    # The key clients must send (Authorization: Bearer), also sent on to Triton;
+    # None: no key asked for. Never in repr: settings may be logged.
+    api_key: str | None = field(default=None, repr=False)
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (probes, specdec-serve's readiness wait)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def key_matches(given: str | None, expected: str) -> bool:
+    """Constant-time comparison, so response times do not leak the key."""
+    return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
 def create_app(settings: Settings, prompts: Prompts,
-               connect: Callable[[str], Any] = CoordinatorClient) -> FastAPI:
-    """The app; ``connect(url)`` makes the coordinator client once the event loop runs."""
+               connect: Callable[[str], Any] | None = None) -> FastAPI:
+    """The app; ``connect(url)`` makes the coordinator client once the event loop runs
+    (default: a gRPC CoordinatorClient that sends ``settings.api_key`` to Triton)."""
     created = int(time.time())
+    connect = connect or functools.partial(CoordinatorClient, api_key=settings.api_key)
+
+    async def authorized(request: Request) -> None:
+        if settings.api_key is None or request.url.path in OPEN_PATHS:
+            return
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise errors.unauthorized("this server needs an API key: send it as the header "
+                                      "'Authorization: Bearer <key>' (the openai package's api_key)")
+        if not key_matches(token, settings.api_key):
+            raise errors.unauthorized("the API key sent in 'Authorization: Bearer' is not this server's")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,11 +97,12 @@ def create_app(settings: Settings, prompts: Prompts,
         finally:
             await app.state.coordinator.close()
 
-    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(authorized)])
 
     @app.exception_handler(errors.OpenAIError)
     async def openai_error(_request: Request, error: errors.OpenAIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -215,7 +253,10 @@ async def wait_for_coordinator(url: str, timeout: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     env = os.environ
-    parser = argparse.ArgumentParser(prog="specdec-openai", description="OpenAI-compatible API for the coordinator.")
+    parser = argparse.ArgumentParser(
+        prog="specdec-openai", description="OpenAI-compatible API for the coordinator.",
+        epilog=f"{API_KEY_VAR} (environment only): the API key clients must send as 'Authorization: Bearer <key>', "
+               "also sent on to Triton's inference API; unset: no key is asked for.")
     parser.add_argument("--host", default=env.get("SPECDEC_ADDRESS", "127.0.0.1"),
                         help="address to listen on [SPECDEC_ADDRESS, 127.0.0.1]")
     parser.add_argument("--port", type=int, default=int(env.get("SPECDEC_OPENAI_PORT", 9000)),
@@ -230,12 +271,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="wait up to this long for the coordinator to be ready before listening (default 0)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
+    api_key = api_key_from_env()
     if args.wait_for_server > 0 and not asyncio.run(wait_for_coordinator(args.grpc_url, args.wait_for_server)):
         print(f"specdec-openai: the coordinator at {args.grpc_url} was not ready within {args.wait_for_server:g} s",
               file=sys.stderr)
         return 1
     prompts = Prompts(args.tokenizer_dir or default_tokenizer_dir())
-    app = create_app(Settings(grpc_url=args.grpc_url, default_max_tokens=args.default_max_tokens), prompts)
+    app = create_app(Settings(grpc_url=args.grpc_url, default_max_tokens=args.default_max_tokens, api_key=api_key),
+                     prompts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

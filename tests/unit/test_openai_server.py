@@ -176,3 +176,107 @@ def test_health_follows_the_coordinator():
         assert client.get("/health").status_code == 200
     with serve(FakeCoordinator(ready=False)) as client:
         assert_openai_error(client.get("/health"), 503, None, "not ready")
+
+
+# ------------------------------------------------------ API key, admission ----
+
+API_KEY = "the-api-key-0123456789"
+
+
+def serve_with_key(coordinator: FakeCoordinator) -> TestClient:
+    app = create_app(Settings(grpc_url="fake:8001", api_key=API_KEY), FakePrompts(), connect=lambda url: coordinator)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def assert_unauthorized(response, words: str):
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+    error = response.json()["error"]
+    assert error["code"] == "invalid_api_key" and words in error["message"] and API_KEY not in error["message"]
+
+
+def test_with_an_api_key_every_endpoint_but_health_needs_the_bearer_token():
+    coordinator = FakeCoordinator([final("x", 1)])
+    with serve_with_key(coordinator) as client:
+        for method, path, body in (("post", "/v1/completions", COMPLETION), ("post", "/v1/chat/completions", CHAT),
+                                   ("get", "/v1/models", None), ("get", "/v1/models/coordinator", None)):
+            call = getattr(client, method)
+            kwargs = {"json": body} if body else {}
+            assert_unauthorized(call(path, **kwargs), "Authorization: Bearer <key>")
+            assert_unauthorized(call(path, headers={"Authorization": f"Bearer {API_KEY}x"}, **kwargs), "not this")
+            assert_unauthorized(call(path, headers={"Authorization": f"Basic {API_KEY}"}, **kwargs), "Bearer <key>")
+            assert_unauthorized(call(path, headers={"specdec-api-key": API_KEY}, **kwargs), "Bearer <key>")
+        assert coordinator.requests == []  # nothing reached the coordinator
+        assert client.get("/health").status_code == 200  # probes and the launcher's wait need no key
+        answer = client.post("/v1/completions", json=COMPLETION, headers={"Authorization": f"bearer {API_KEY}"})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "x"
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_without_an_api_key_nothing_is_asked_for():
+    with serve(FakeCoordinator([final("x", 1)])) as client:
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_the_key_is_compared_in_constant_time(monkeypatch):
+    from frontend import openai_server
+
+    compared = []
+    real = openai_server.hmac.compare_digest
+    monkeypatch.setattr(openai_server.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    assert openai_server.key_matches(API_KEY, API_KEY) and not openai_server.key_matches("x" * 22, API_KEY)
+    assert compared == [(API_KEY.encode(), API_KEY.encode()), (b"x" * 22, API_KEY.encode())]
+    assert not openai_server.key_matches(None, API_KEY)
+    assert openai_server.bearer_token("Bearer  abc ") == "abc" and openai_server.bearer_token("Bearer") is None
+    assert "the-api-key" not in repr(Settings(api_key=API_KEY))
+
+
+def test_the_frontend_sends_its_key_on_to_triton(monkeypatch):
+    import asyncio
+
+    from coordinator.request.access import GRPC_API_KEY_HEADER
+    from frontend import coordinator_client, openai_server
+
+    made = []
+    monkeypatch.setattr(openai_server, "CoordinatorClient",
+                        lambda url, api_key=None: made.append((url, api_key)) or FakeCoordinator())
+    with TestClient(create_app(Settings(grpc_url="fake:8001", api_key=API_KEY), FakePrompts())):
+        pass
+    assert made == [("fake:8001", API_KEY)]
+
+    sent = []
+
+    class Call:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+        def cancel(self):
+            pass
+
+    async def stream():
+        client = coordinator_client.CoordinatorClient("127.0.0.1:1", api_key=API_KEY)
+        client._client.stream_infer = lambda requests, headers=None: sent.append(headers) or Call()
+        with pytest.raises(CoordinatorFailure):  # the fake stream ends without a final response
+            async for _ in client.generate({"text_input": "x"}):
+                pass
+        await client.close()
+
+    asyncio.run(stream())
+    assert sent == [{GRPC_API_KEY_HEADER: API_KEY}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_coordinators_refusal_at_max_inflight_requests_is_a_429_with_retry_after(stream):
+    from coordinator.request.admission import refusal_message
+
+    failure = CoordinatorFailure(f"[request id: 7] {refusal_message(8)}")
+    with serve(FakeCoordinator(failure=failure)) as client:
+        response = client.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    assert response.status_code == 429, response.text
+    assert response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert "max_inflight_requests" in error["message"] and "8 requests are in flight" in error["message"]
+    assert error["type"] == "server_busy" and error["code"] == "max_inflight_requests"
