@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from coordinator.request.access import api_key_from_env
+
 
 @dataclass
 class Timing:
@@ -56,13 +58,17 @@ class OpenAIPath:
         parts = urlsplit(base_url)
         self.host, self.port, self.prefix = parts.hostname, parts.port or 80, parts.path.rstrip("/")
         self.timeout = timeout
+        self.headers = {"Content-Type": "application/json"}
+        api_key = api_key_from_env()  # the gRPC path sends it too (tools.stream)
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def complete(self, prompt: str, max_tokens: int) -> Timing:
         body = json.dumps({"model": "coordinator", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "stream": True, "stream_options": {"include_usage": True}})
         connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         start = time.perf_counter()
-        connection.request("POST", f"{self.prefix}/completions", body, {"Content-Type": "application/json"})
+        connection.request("POST", f"{self.prefix}/completions", body, self.headers)
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"OpenAI API answered {response.status}: {response.read().decode(errors='replace')}")

@@ -12,7 +12,11 @@ contain a marker misbehave on purpose, to check that failures are counted:
 * ``#fake:nofinal`` two chunks, then the stream ends without a final response;
 * ``#fake:hang``    nothing at all (the client's timeout must fire);
 * ``#fake:abort``   the RPC fails with UNAVAILABLE (a server going away);
-* ``#fake:slow``    a normal answer, 3 s late (a request longer than a phase).
+* ``#fake:slow``    a normal answer, 3 s late (a request longer than a phase);
+* ``#fake:busy``    the coordinator's refusal at max_inflight_requests.
+
+With an API key (``serve(api_key=...)``; ``main``: ``SPECDEC_API_KEY``) it
+refuses streams without it as Triton's restricted inference does.
 
 Run: ``python -m loadtests.fake_triton --port 8001`` (prints ``ready <port>``).
 """
@@ -31,6 +35,8 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from coordinator.request.access import GRPC_API_KEY_HEADER, api_key_from_env
+from coordinator.request.admission import refusal_message
 from coordinator.request.api import STATISTICS, Statistics
 
 MODEL = "coordinator"
@@ -80,7 +86,9 @@ def _response(request, text: str, stats: Statistics | None, final: bool):
 
 
 class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, token_seconds: float, first_token_seconds: float, server_window: int = DEFAULT_WINDOW):
+    def __init__(self, token_seconds: float, first_token_seconds: float, server_window: int = DEFAULT_WINDOW,
+                 api_key: str | None = None):
+        self.api_key = api_key
         self.token_seconds = token_seconds
         self.first_token_seconds = first_token_seconds
         self.server_window = server_window
@@ -97,6 +105,9 @@ class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=request.name == MODEL)
 
     def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+        if self.api_key is not None and dict(context.invocation_metadata()).get(GRPC_API_KEY_HEADER) != self.api_key:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"This protocol is restricted, expecting header '{GRPC_API_KEY_HEADER}'")
         for request in request_iterator:
             with self.lock:
                 self.requests += 1
@@ -116,6 +127,9 @@ class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
         window = int(inputs.get("speculation_window", np.array([self.server_window]))[0])
         if "#fake:error" in prompt:
             yield service_pb2.ModelStreamInferResponse(error_message="fake error: max_tokens must be between 1 and 1024")
+            return
+        if "#fake:busy" in prompt:
+            yield service_pb2.ModelStreamInferResponse(error_message=refusal_message(8))
             return
         if "#fake:abort" in prompt:
             context.abort(grpc.StatusCode.UNAVAILABLE, "fake abort: server going away")
@@ -148,9 +162,9 @@ class FakeCoordinator(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 def serve(port: int, token_seconds: float = 0.01, first_token_seconds: float = 0.05,
-          address: str = "127.0.0.1") -> tuple[grpc.Server, FakeCoordinator, int]:
+          address: str = "127.0.0.1", api_key: str | None = None) -> tuple[grpc.Server, FakeCoordinator, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    servicer = FakeCoordinator(token_seconds, first_token_seconds)
+    servicer = FakeCoordinator(token_seconds, first_token_seconds, api_key=api_key)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{address}:{port}")
     server.start()
@@ -164,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-seconds", type=float, default=0.01, help="delay per round (default 0.01)")
     parser.add_argument("--first-token-seconds", type=float, default=0.05, help="delay before the first round")
     args = parser.parse_args(argv)
-    server, _, port = serve(args.port, args.token_seconds, args.first_token_seconds, args.address)
+    server, _, port = serve(args.port, args.token_seconds, args.first_token_seconds, args.address,
+                            api_key_from_env())
     print(f"ready {port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

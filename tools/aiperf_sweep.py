@@ -16,6 +16,11 @@ Every run gets its own seed, so its synthetic prompts are new to the engines'
 KV-cache pools: with one seed for all, the second mode at a concurrency would
 find every prompt's prefill cached by the first and its TTFT would look better
 than it is.
+
+A server with an API key: put it in ``SPECDEC_API_KEY``. AIPerf takes it on
+its command line only (Triton's header, or OpenAI's Bearer token), so while a
+run lasts other users of the machine can read it in the process list; the
+sweep's report and log show it redacted, as AIPerf's exports do.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from coordinator.request.access import API_KEY_HEADER, api_key_from_env
 from tools.aiperf_table import MODES, Run, build_rows, has_errors, markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,6 +113,25 @@ def openai_base(url: str) -> str:
     """AIPerf appends ``/v1/chat/completions`` itself; OpenAI clients take the URL with ``/v1``: both work."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+REDACTED = "<redacted>"
+
+
+def key_args(endpoint: str, api_key: str | None) -> list[str]:
+    """The arguments that give AIPerf the server's API key (SPECDEC_API_KEY):
+    Triton's header for its generate endpoint, OpenAI's Bearer token for the
+    frontend. AIPerf takes them on its command line only (it redacts them in
+    its exports); they are kept out of the sweep's own report and log."""
+    if api_key is None:
+        return []
+    if endpoint == "template":
+        return ["--header", f"{API_KEY_HEADER}:{api_key}"]
+    return ["--api-key", api_key]
+
+
+def redacted(args: list[str], api_key: str | None) -> list[str]:
+    return [arg.replace(api_key, REDACTED) for arg in args] if api_key else list(args)
 
 
 def aiperf_command(aiperf: str, plan: Plan, settings: Settings, extra_args=()) -> list[str]:
@@ -260,8 +285,9 @@ def sweep(options) -> tuple[list[Run], list[dict]]:
                         options.input_tokens, options.output_tokens, options.request_timeout)
     plans = plan_runs(options.endpoints, options.concurrency, options.modes, options.out.resolve(), options.seed)
     runs, log = [], []
+    api_key = api_key_from_env()
     for index, plan in enumerate(plans, 1):
-        command = aiperf_command(options.aiperf, plan, settings, options.aiperf_args)
+        command = aiperf_command(options.aiperf, plan, settings, options.aiperf_args) + key_args(plan.endpoint, api_key)
         print(f"specdec-aiperf: [{index}/{len(plans)}] {plan.name}: {options.requests} requests ...", flush=True)
         started = time.monotonic()
         run = execute(plan, command, options.run_timeout)
@@ -272,7 +298,7 @@ def sweep(options) -> tuple[list[Run], list[dict]]:
             print(run.failure, file=sys.stderr, flush=True)
         runs.append(run)
         log.append({**asdict(plan), "artifact_dir": str(plan.artifact_dir), "seconds": round(seconds, 1),
-                    "command": shlex.join(command), "failure": run.failure})
+                    "command": shlex.join(redacted(command, api_key)), "failure": run.failure})
     return runs, log
 
 

@@ -74,11 +74,12 @@ def _triton_dtype(array: np.ndarray) -> str:
 
 
 def stream_completion(client: grpcclient.InferenceServerClient, inputs, on_delta=None, timeout: float = 600.0,
-                      request_id: str = "") -> Completion:
+                      request_id: str = "", headers=None) -> Completion:
     """Send one streaming request and collect its responses until the final one
-    (raises tools.stream.RequestFailed, an InferenceServerException)."""
+    (raises tools.stream.RequestFailed, an InferenceServerException). ``headers``:
+    gRPC metadata; None: the API key in SPECDEC_API_KEY, if any (tools.stream.responses)."""
     completion = Completion()
-    for arrived, delta, result in responses(client, inputs, timeout=timeout, request_id=request_id):
+    for arrived, delta, result in responses(client, inputs, timeout=timeout, request_id=request_id, headers=headers):
         if delta:
             if completion.time_to_first_chunk is None:
                 completion.time_to_first_chunk = arrived
@@ -93,7 +94,9 @@ def stream_completion(client: grpcclient.InferenceServerClient, inputs, on_delta
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec-client", description="Stream a completion from the coordinator.")
+    parser = argparse.ArgumentParser(
+        prog="specdec-client", description="Stream a completion from the coordinator.",
+        epilog="A server with an API key: put it in SPECDEC_API_KEY (read from the environment only).")
     parser.add_argument("prompt", help="prompt text ('-' reads standard input)")
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -222,3 +222,26 @@ def test_the_driver_writes_the_table_and_fails_on_errors(tmp_path, export, expor
 def test_a_missing_aiperf_says_how_to_get_it(tmp_path, capsys):
     assert aiperf_sweep.main(["--aiperf", str(tmp_path / "nope"), "--out", str(tmp_path)]) == aiperf_sweep.EXIT_USAGE
     assert "make aiperf" in capsys.readouterr().err
+
+
+def test_a_servers_api_key_reaches_aiperf_and_never_the_sweeps_report(tmp_path, export, monkeypatch):
+    key = "the-api-key-0123456789"
+    assert aiperf_sweep.key_args("template", key) == ["--header", f"specdec-api-key:{key}"]
+    assert aiperf_sweep.key_args("chat", key) == ["--api-key", key]  # OpenAI's Bearer token
+    assert aiperf_sweep.key_args("completions", None) == []
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    script = Path(_fake_aiperf(tmp_path, export, 0))
+    argv_log = tmp_path / "argv.json"
+    script.write_text(script.read_text().replace(
+        "import shutil, sys\n", f"import json, shutil, sys\njson.dump(sys.argv, open({str(argv_log)!r}, 'w'))\n"))
+    monkeypatch.setenv("SPECDEC_API_KEY", key)
+    assert aiperf_sweep.main(["--endpoints", "completions", "--concurrency", "1", "--modes", "on", "--requests", "1",
+                              "--tokenizer", str(tokenizer), "--aiperf", str(script),
+                              "--out", str(tmp_path / "out")]) == 0
+    sent = json.loads(argv_log.read_text())
+    assert sent[sent.index("--api-key") + 1] == key
+    written = (tmp_path / "out" / "aiperf_sweep.json").read_text()
+    assert key not in written and "--api-key '<redacted>'" in written
+    assert key not in (tmp_path / "out" / "aiperf_sweep.md").read_text()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.client import build_inputs
+from tools.client import build_inputs, stream_completion
 from loadtests import fake_triton, report, workload
 from loadtests.grpc_stream import RequestFailed, Timing, timed_completion
 from tests.conftest import free_port
@@ -259,6 +259,7 @@ def test_timed_completion_streams_and_reads_statistics(fake_server):
     ("#fake:nofinal", "stream ended"),
     ("#fake:hang", "timeout"),
     ("#fake:abort", "rpc error"),
+    ("#fake:busy", "server busy"),
 ])
 def test_timed_completion_names_each_failure(fake_server, marker, kind):
     with _client(fake_server) as client:
@@ -442,3 +443,22 @@ def test_locust_refuses_bad_options(fake_server, tmp_path):
     proc = _locust(["--headless", "--host", fake_server, "--modes", "sideways"], tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "--modes takes on, off and mix" in proc.stderr
+
+
+def test_requests_carry_the_api_key_from_the_environment(monkeypatch):
+    from coordinator.request.access import GRPC_API_KEY_HEADER
+
+    key = "the-api-key-0123456789"
+    server, _, port = fake_triton.serve(0, token_seconds=0.0, first_token_seconds=0.0, api_key=key)
+    try:
+        with _client(f"127.0.0.1:{port}") as client:
+            monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+            with pytest.raises(RequestFailed, match="expecting header 'triton-grpc-protocol-specdec-api-key'"):
+                timed_completion(client, build_inputs("x", 2, stream=True), timeout=10)
+            monkeypatch.setenv("SPECDEC_API_KEY", key)
+            assert timed_completion(client, build_inputs("x", 2, stream=True), timeout=10).completion_tokens == 2
+            with pytest.raises(RequestFailed, match="expecting header"):  # explicit headers win over the environment
+                stream_completion(client, build_inputs("x", 2), timeout=10, headers={GRPC_API_KEY_HEADER: "wrong"})
+            assert stream_completion(client, build_inputs("x", 2), timeout=10).completion_tokens == 2
+    finally:
+        server.stop(grace=0)
