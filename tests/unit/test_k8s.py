@@ -49,6 +49,9 @@ SPECDEC_METRICS = (
     "specdec_emitted_tokens_total",
     "specdec_rounds_total",
     "specdec_fallback_active",
+    "specdec_inflight_requests",  # admission control (coordinator/request/admission.py)
+    "specdec_max_inflight_requests",
+    "specdec_refused_requests_total",
     "specdec_engine_up",  # the engine watchdog's (selfheal/exposition.py)
     "specdec_engine_recoveries_total",
 )
@@ -367,6 +370,9 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
     assert threshold == float(pbtxt_parameter(config, "fallback_threshold"))
     assert data["SPECDEC_ADAPTIVE_WINDOW"] == pbtxt_parameter(config, "adaptive_window")
     assert data["SPECDEC_DRAFTER"] == pbtxt_parameter(config, "drafter")
+    # Empty: each profile's own bound, the target engine's capacity (a number here
+    # would apply one profile's bound to the other's engines).
+    assert data["SPECDEC_MAX_INFLIGHT_REQUESTS"] == ""
     # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
     from coordinator.settings import ENV_OVERRIDES
 
@@ -410,19 +416,36 @@ def test_hpa_scales_on_the_adapter_metric(overlay):
     ref = hpa["spec"]["scaleTargetRef"]
     assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", "triton-specdec")
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
-    (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    name = metric["pods"]["metric"]["name"]
+    metrics = {metric["pods"]["metric"]["name"]: metric for metric in hpa["spec"]["metrics"]}
+    # What each metric must be computed from: the engines' queueing, and the
+    # coordinator's admission bound (scaling before requests are refused).
+    sources = {"specdec_queue_compute_ratio": ("nv_inference_queue_duration_us",
+                                               "nv_inference_compute_infer_duration_us"),
+               "specdec_inflight_ratio": ("specdec_inflight_requests", "specdec_max_inflight_requests")}
+    assert set(metrics) == set(sources)
     served = {rule["name"]["as"]: rule for rule in adapter_rules()}
-    assert name in served, f"prometheus-adapter serves no metric {name}"
-    # The adapter reads a series that the PrometheusRule records, per pod.
-    series = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", served[name]["seriesQuery"]).group(1)
     recorded = dict(rule_expressions(docs))
-    assert series in recorded, f"{series} is not recorded by the PrometheusRule"
-    assert "by (namespace, pod)" in re.sub(r"\s+", " ", recorded[series])
-    assert "nv_inference_queue_duration_us" in recorded[series]
-    assert "nv_inference_compute_infer_duration_us" in recorded[series]
-    assert set(served[name]["resources"]["overrides"]) == {"namespace", "pod"}
+    for name, metric in metrics.items():
+        assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+        assert name in served, f"prometheus-adapter serves no metric {name}"
+        # The adapter reads a series that the PrometheusRule records, per pod.
+        series = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", served[name]["seriesQuery"]).group(1)
+        assert series in recorded, f"{series} is not recorded by the PrometheusRule"
+        assert "by (namespace, pod)" in re.sub(r"\s+", " ", recorded[series])
+        for source in sources[name]:
+            assert source in recorded[series], (name, source)
+        assert set(served[name]["resources"]["overrides"]) == {"namespace", "pod"}
+    # The in-flight ratio is 1 at the bound: the target lies below it, so
+    # replicas are added before the coordinator refuses requests.
+    assert 0.5 <= quantity(metrics["specdec_inflight_ratio"]["pods"]["target"]["averageValue"]) < 1
+    from coordinator.response.metrics import INFLIGHT, MAX_INFLIGHT
+
+    assert (INFLIGHT.name, MAX_INFLIGHT.name) == sources["specdec_inflight_ratio"]
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity such as "750m" or "1"."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
 def test_alerts_cover_speculation_and_serving_health():
@@ -430,7 +453,7 @@ def test_alerts_cover_speculation_and_serving_health():
     rule = one(docs, "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
     for name in ("SpecDecAcceptanceRateLow", "SpecDecFallbackActive", "SpecDecQueueTimeHigh", "SpecDecNoReadyReplicas",
-                 "SpecDecTargetDown", "SpecDecDraftDown", "SpecDecEngineCrashing"):
+                 "SpecDecTargetDown", "SpecDecDraftDown", "SpecDecEngineCrashing", "SpecDecRequestsRefused"):
         assert name in alerts, f"alert {name} missing"
         assert alerts[name]["labels"]["severity"] in ("warning", "critical")
         assert alerts[name]["annotations"]["summary"]
@@ -522,6 +545,26 @@ def test_admin_apis_need_a_key_from_a_secret(overlay):
     assert reference.get("optional", False) is (overlay == "cpu")
     args = triton.get("args", []) + triton.get("command", [])
     assert not [a for a in args if "restricted" in a or "model-control-mode" in a], args
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_inference_needs_the_api_key_from_its_own_secret(overlay):
+    """Required on every overlay (an image listening on 0.0.0.0 refuses to
+    start without it), never the admin Secret (clients hold this key), and
+    never a value or a flag in the manifests."""
+    triton = container(pod_spec(deployment(render(f"overlays/{overlay}"))), "triton")
+    env = {e["name"]: e for e in triton["env"]}
+    key = env["SPECDEC_API_KEY"]
+    assert "value" not in key
+    reference = key["valueFrom"]["secretKeyRef"]
+    assert (reference["name"], reference["key"]) == ("triton-specdec-api", "api-key")
+    assert reference.get("optional", False) is False
+    assert "SPECDEC_ALLOW_OPEN_INFERENCE" not in env
+    args = triton.get("args", []) + triton.get("command", [])
+    assert not [a for a in args if "inference" in a], args
+    workers = container(pod_spec(one(render("loadtest"), "Job", "locust-worker")), "locust")
+    worker_key = next(e for e in workers["env"] if e["name"] == "SPECDEC_API_KEY")
+    assert worker_key["valueFrom"]["secretKeyRef"]["name"] == "triton-specdec-api"
 
 
 def test_cpu_overlay_needs_no_gpu_and_has_a_writable_cache():
