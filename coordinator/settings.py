@@ -27,6 +27,7 @@ ENV_OVERRIDES = {
     "draft_timeout_seconds": "SPECDEC_DRAFT_TIMEOUT_SECONDS",
     "drafter": "SPECDEC_DRAFTER",
     "max_inflight_requests": "SPECDEC_MAX_INFLIGHT_REQUESTS",
+    "speculation_ab_fraction": "SPECDEC_AB_FRACTION",
 }
 
 
@@ -90,6 +91,12 @@ class CoordinatorSettings:
     # work the engines cannot take. Each profile's config sets it to the target
     # engine's capacity (its max_batch_size); 0: no bound.
     max_inflight_requests: int = 0
+    # The traffic split (docs/rollout.md): this share of requests, chosen by a
+    # hash of their ab_key (the OpenAI user; random where none), decodes
+    # without speculation (arm control), the rest with the server's defaults
+    # (arm speculative). A request that sets speculation_window keeps it (arm
+    # none). 0: no split.
+    speculation_ab_fraction: float = 0.0
     # The speculation policy's tuning values (coordinator/policy/speculation.py): set with
     # parameters of their own names (history_tokens, min_evidence, ...).
     policy: PolicySettings = field(default_factory=PolicySettings)
@@ -129,6 +136,10 @@ class CoordinatorSettings:
         if self.max_inflight_requests < 0:
             raise SettingsError(
                 f"max_inflight_requests must be >= 0 (0 = no bound), got {self.max_inflight_requests}")
+        if not 0.0 <= self.speculation_ab_fraction <= 1.0:
+            raise SettingsError(
+                f"speculation_ab_fraction (SPECDEC_AB_FRACTION) must be between 0 and 1, "
+                f"got {self.speculation_ab_fraction}")
         problems = self.policy.check()
         if problems:
             raise SettingsError("; ".join(problems))

@@ -163,6 +163,7 @@ def _generation(body: Mapping, *, chat: bool, max_tokens_field: str, default_max
     inputs["adaptive_window"] = _boolean(body, "adaptive_window")
     inputs["drafter"] = _string(body, "drafter")
     inputs["random_seed"] = _integer(body, "seed", *UINT64)
+    inputs["ab_key"] = _string(body, "user")  # the traffic split's key: a user stays in one arm
     inputs["stop_words"] = _stop(body.get("stop"))
     stream = bool(_boolean(body, "stream"))
     return Generation(

@@ -91,7 +91,9 @@ async def generate_text(
     )
     rounds = _rounds(request, codec, prompt_ids, policy, draft=draft, target=target, settings=settings)
     text = CompletionText(codec.decode, request.stop_words)
-    stats = Stats()
+    stats = Stats(arm=request.arm)
+    if metrics is not None:
+        metrics.arm = request.arm  # its latencies are counted under its arm of the traffic split
     log_probs: list[float] | None = [] if request.return_log_probs else None
     costs.streams += 1  # the load the cost model plans for
     prefilling = governor is not None  # until the first round: the prompt's prefill

@@ -37,6 +37,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("min_length", "TYPE_INT32", (1,), "tokens to generate before the end token may come"),
     TensorSpec("bad_words", "TYPE_STRING", (-1,), "strings the completion must not produce"),
     TensorSpec("return_log_probs", "TYPE_BOOL", (1,), "report each generated token's log probability"),
+    TensorSpec("ab_key", "TYPE_STRING", (1,),
+               "the traffic split's key (e.g. a user id): the same key always lands in the same arm"),
 )
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
 
@@ -68,6 +70,8 @@ class Statistics:
     plain_seconds: float = _statistic("plain_seconds", "TYPE_FP32", "server-side seconds in plain target steps", 0.0)
     fallback_reason: str = _statistic("fallback_reason", "TYPE_STRING",
                                       "why speculation last stopped or was held back (empty if it never was)", "")
+    arm: str = _statistic("speculation_arm", "TYPE_STRING",
+                          "the traffic split's arm: control, speculative or none (not split)", "none")
 
     def outputs(self) -> dict[str, np.ndarray]:
         """The statistics as the response's output tensors."""

@@ -7,7 +7,9 @@ values (and shapes again, defensively)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 import numpy as np
@@ -51,6 +53,21 @@ class GenerationRequest:
     penalties: Penalties = NO_PENALTIES  # bad_words still as text: bad_word_texts
     bad_word_texts: tuple[str, ...] = ()
     return_log_probs: bool = False
+    arm: str = "none"  # the traffic split's arm: control, speculative or none (not split)
+
+
+# The traffic split's arms (settings.speculation_ab_fraction).
+CONTROL, SPECULATIVE, NO_ARM = "control", "speculative", "none"
+ARMS = (CONTROL, SPECULATIVE, NO_ARM)
+MAX_AB_KEY_BYTES = 1024
+
+
+def ab_arm(key: bytes, fraction: float) -> str:
+    """The arm of a request key: a hash of the key alone (SHA-256, not Python's
+    salted hash), so a key lands in the same arm on every replica and after
+    restarts; ``fraction`` of the keys are control."""
+    point = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64  # uniform in [0, 1)
+    return CONTROL if point < fraction else SPECULATIVE
 
 
 def parse_request(
@@ -83,6 +100,9 @@ def parse_request(
     drafter = settings.drafter if drafter_value is None else _utf8("drafter", drafter_value)
     if drafter not in registry.names():
         raise InputError(f"drafter must be one of {', '.join(registry.names())}, got {drafter!r}")
+    arm = _arm(inputs, settings)
+    if arm == CONTROL:
+        window = 0  # plain decoding, in the same batches as the speculative arm
     if (penalties.active or bad_words) and not settings.speculate_with_penalties:
         window = 0  # this server's engines are not known to verify such requests losslessly
     return GenerationRequest(
@@ -100,7 +120,23 @@ def parse_request(
         penalties=penalties,
         bad_word_texts=bad_words,
         return_log_probs=_flag(inputs, "return_log_probs", False),
+        arm=arm,
     )
+
+
+def _arm(inputs: Mapping[str, np.ndarray | None], settings: CoordinatorSettings) -> str:
+    """The request's arm of the traffic split: none without a split or when the
+    request set speculation_window itself (it is not re-assigned)."""
+    key = _scalar(inputs, "ab_key")
+    if key is not None:
+        key = _utf8("ab_key", key)
+        if len(key.encode("utf-8")) > MAX_AB_KEY_BYTES:
+            raise InputError(f"ab_key may be at most {MAX_AB_KEY_BYTES} bytes, got {len(key.encode('utf-8'))}")
+    if settings.speculation_ab_fraction <= 0.0 or _scalar(inputs, "speculation_window") is not None:
+        return NO_ARM
+    if not key:  # no key: a random arm, in the same proportions
+        return CONTROL if random.random() < settings.speculation_ab_fraction else SPECULATIVE
+    return ab_arm(key.encode("utf-8"), settings.speculation_ab_fraction)
 
 
 def _flag(inputs: Mapping[str, np.ndarray | None], name: str, default: bool) -> bool:

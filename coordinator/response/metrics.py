@@ -23,6 +23,25 @@ COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 ACCEPTED_BUCKETS = [float(n) for n in range(0, 17)]
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0]
 REQUEST_OUTCOMES = ("success", "error", "cancelled")
+# The traffic split's arms (coordinator/request/parse.py): every latency and
+# throughput metric carries one, so the arms compare on the same server.
+ARMS = ("control", "speculative", "none")
+
+
+def _geometric(low: float, high: float, ratio: float) -> list[float]:
+    """Bucket bounds from low to at least high, each ``ratio`` times the last (3 significant digits)."""
+    bounds, bound = [], low
+    while bound < high * ratio:
+        bounds.append(float(f"{bound:.3g}"))
+        bound *= ratio
+    return sorted(set(bounds))
+
+
+# Fine enough for a p50 and a p99 per arm: each bucket 20 % wider than the
+# last, 1 ms to 60 s, so a quantile interpolated inside its bucket is within
+# ~10 % of the true one (tools/ab_report.py states the bound).
+FINE_LATENCY_BUCKETS = _geometric(0.001, 60.0, 1.2)
+TOKENS_PER_SECOND_BUCKETS = _geometric(0.25, 5000.0, 1.2)
 
 
 @dataclass(frozen=True)
@@ -74,10 +93,12 @@ PLAIN_ROUNDS = _spec("specdec_rounds_total", COUNTER, "Decoding rounds: a specul
 DRAFT_FAILURES = _spec(
     "specdec_draft_failures_total", COUNTER, "Draft engine failures (the request went on with the target alone)"
 )
-REQUESTS = {
-    outcome: _spec("specdec_requests_total", COUNTER, "Finished requests by outcome", [("outcome", outcome)])
-    for outcome in REQUEST_OUTCOMES
+REQUESTS_BY_ARM = {
+    (outcome, arm): _spec("specdec_requests_total", COUNTER, "Finished requests by outcome and traffic-split arm",
+                          [("outcome", outcome), ("arm", arm)])
+    for outcome in REQUEST_OUTCOMES for arm in ARMS
 }
+REQUESTS = {outcome: REQUESTS_BY_ARM[(outcome, "none")] for outcome in REQUEST_OUTCOMES}  # requests not split
 WINDOW = _spec("specdec_speculation_window", GAUGE, "Draft tokens of the most recent round (0: plain step)")
 FALLBACK_ACTIVE = _spec(
     "specdec_fallback_active",
@@ -124,18 +145,25 @@ ACCEPTED_PER_ROUND = _spec(
     "Accepted draft tokens per speculative round",
     buckets=ACCEPTED_BUCKETS,
 )
-TIME_TO_FIRST_TOKEN = _spec(
-    "specdec_time_to_first_token_seconds",
-    HISTOGRAM,
-    "From the request's arrival at the coordinator to its first emitted token",
-    buckets=LATENCY_BUCKETS,
-)
-INTER_TOKEN_LATENCY = _spec(
-    "specdec_inter_token_latency_seconds",
-    HISTOGRAM,
-    "Time per emitted token after the first (a round's duration over the tokens it emitted)",
-    buckets=LATENCY_BUCKETS,
-)
+
+def _by_arm(name: str, description: str, buckets: list[float]) -> dict[str, MetricSpec]:
+    return {arm: _spec(name, HISTOGRAM, description, [("arm", arm)], buckets) for arm in ARMS}
+
+
+TTFT_BY_ARM = _by_arm("specdec_time_to_first_token_seconds",
+                      "From the request's arrival at the coordinator to its first emitted token, by arm",
+                      FINE_LATENCY_BUCKETS)
+ITL_BY_ARM = _by_arm("specdec_inter_token_latency_seconds",
+                     "Time per emitted token after the first (a round's duration over the tokens it emitted), by arm",
+                     FINE_LATENCY_BUCKETS)
+E2E_BY_ARM = _by_arm("specdec_request_latency_seconds",
+                     "From a successful request's arrival at the coordinator to its last token, by arm",
+                     FINE_LATENCY_BUCKETS)
+TOKENS_PER_SECOND_BY_ARM = _by_arm("specdec_request_tokens_per_second",
+                                   "A successful request's completion tokens over its end-to-end seconds, by arm",
+                                   TOKENS_PER_SECOND_BUCKETS)
+TIME_TO_FIRST_TOKEN = TTFT_BY_ARM["none"]  # requests not split
+INTER_TOKEN_LATENCY = ITL_BY_ARM["none"]
 
 def all_specs() -> tuple[MetricSpec, ...]:
     """Every series the coordinator exports."""
@@ -149,7 +177,7 @@ FIXED_SPECS = (
     SPECULATIVE_ROUNDS,
     PLAIN_ROUNDS,
     DRAFT_FAILURES,
-    *REQUESTS.values(),
+    *REQUESTS_BY_ARM.values(),
     WINDOW,
     FALLBACK_ACTIVE,
     *DRAFT_COST.values(),
@@ -161,8 +189,10 @@ FIXED_SPECS = (
     REFUSED,
     *LOAD_REGIME.values(),
     ACCEPTED_PER_ROUND,
-    TIME_TO_FIRST_TOKEN,
-    INTER_TOKEN_LATENCY,
+    *TTFT_BY_ARM.values(),
+    *ITL_BY_ARM.values(),
+    *E2E_BY_ARM.values(),
+    *TOKENS_PER_SECOND_BY_ARM.values(),
 )
 
 
@@ -241,7 +271,13 @@ class MetricsRecorder:
 
     def _finish(self, request: RequestMetrics, outcome: str) -> None:
         self._set_fallback(request, False)
-        self._get(REQUESTS[outcome]).increment(1)
+        arm = request.arm if request.arm in ARMS else "none"
+        self._get(REQUESTS_BY_ARM[(outcome, arm)]).increment(1)
+        if outcome == "success":
+            seconds = self.clock() - request.started
+            self._get(E2E_BY_ARM[arm]).observe(seconds)
+            if seconds > 0 and request.tokens:
+                self._get(TOKENS_PER_SECOND_BY_ARM[arm]).observe(request.tokens / seconds)
 
 
 class RequestMetrics:
@@ -251,6 +287,8 @@ class RequestMetrics:
         self.last_emission: float | None = None
         self.draft_failed = False
         self.finished = False
+        self.arm = "none"  # the traffic split's arm, once the request is parsed
+        self.tokens = 0  # completion tokens emitted
 
     def round(self, round_: Round) -> None:
         now = self.recorder.clock()
@@ -258,15 +296,17 @@ class RequestMetrics:
         emitted = len(round_.tokens)
         if not emitted:
             return
+        self.tokens += emitted
         get = self.recorder._get
+        arm = self.arm if self.arm in ARMS else "none"
         if self.last_emission is None:
-            get(TIME_TO_FIRST_TOKEN).observe(now - self.started)
+            get(TTFT_BY_ARM[arm]).observe(now - self.started)
             emitted -= 1  # the first token's latency is the time to first token
             gap = 0.0
         else:
             gap = now - self.last_emission
         for _ in range(emitted):
-            get(INTER_TOKEN_LATENCY).observe(gap / max(emitted, 1))
+            get(ITL_BY_ARM[arm]).observe(gap / max(emitted, 1))
         self.last_emission = now
 
     def finish(self, outcome: str) -> None:

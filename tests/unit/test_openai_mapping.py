@@ -52,6 +52,7 @@ def test_openai_fields_and_extensions_map_to_coordinator_inputs():
         "text_input": "def f():", "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "draft_temperature": 0.5,
         "speculation_window": 0, "top_k": 40, "adaptive_window": False, "drafter": "prompt_lookup",
         "random_seed": 2**64 - 1, "stop_words": ["\n\n", "def "], "stream": True,
+        "ab_key": "someone",  # the user: the traffic split's key
     }
     assert set(generation.coordinator_inputs()) <= set(INPUT_NAMES)
     assert generation.include_usage and generation.fields == {}
