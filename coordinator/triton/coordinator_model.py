@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -227,7 +228,70 @@ def _triton_instrument(families: dict[str, object], spec: MetricSpec):
     labels = dict(spec.labels)
     if spec.buckets is not None:
         return family.Metric(labels=labels, buckets=list(spec.buckets))
+    if spec.kind == GAUGE:
+        return _BatchedGauge(family.Metric(labels=labels))
+    if spec.kind == COUNTER:
+        return _BatchedCounter(family.Metric(labels=labels))
     return family.Metric(labels=labels)
+
+
+# Each pb_utils.Metric call is a synchronous round trip to tritonserver (a
+# message and a wait for its answer), ~20 of them a speculative round: most of
+# the coordinator's CPU per round at GPU step times (tools/sim_bench.py). So
+# counters add up and gauges keep only their last value until flush_metrics,
+# which runs before every final response (the metrics port never lags the
+# responses) and otherwise at most METRIC_FLUSH_SECONDS after an update.
+# Histograms pass each observation through.
+METRIC_FLUSH_SECONDS = 0.25
+_unflushed: set = set()
+_last_flush = [0.0]
+
+
+def _updated(instrument) -> None:
+    _unflushed.add(instrument)
+    if time.monotonic() - _last_flush[0] >= METRIC_FLUSH_SECONDS:
+        flush_metrics()
+
+
+def flush_metrics() -> None:
+    """Send every batched counter increment and gauge value to Triton."""
+    _last_flush[0] = time.monotonic()
+    while _unflushed:
+        _unflushed.pop().flush()
+
+
+class _BatchedCounter:
+    __slots__ = ("metric", "pending")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.pending = 0
+
+    def increment(self, value: float) -> None:
+        self.pending += value
+        _updated(self)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.metric.increment(self.pending)
+            self.pending = 0
+
+
+class _BatchedGauge:
+    __slots__ = ("metric", "value", "sent")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.value = self.sent = None
+
+    def set(self, value: float) -> None:
+        self.value = value
+        _updated(self)
+
+    def flush(self) -> None:
+        if self.value != self.sent:  # most per-round gauges hold their value from round to round
+            self.metric.set(self.value)
+            self.sent = self.value
 
 
 class TritonPythonModel:
@@ -248,6 +312,7 @@ class TritonPythonModel:
         self._metric_families = families  # keep the families alive as long as the model
         self.admission = Admission(self.settings.max_inflight_requests)
         self.metrics.admission(0, self.admission.limit)
+        flush_metrics()
         log.info("coordinator ready: %s", self.settings)
 
     async def execute(self, requests):
@@ -259,6 +324,7 @@ class TritonPythonModel:
         slot = self.admission.admit()
         if slot is None:  # at max_inflight_requests: refused at once, before any work
             self.metrics.refused()
+            flush_metrics()
             error = pb_utils.TritonError(refusal_message(self.admission.limit), pb_utils.TritonError.UNAVAILABLE)
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             return
@@ -269,6 +335,7 @@ class TritonPythonModel:
             request once it has this one's end finds its slot free."""
             slot.release()
             self.metrics.admission(self.admission.in_flight, self.admission.limit)
+            flush_metrics()
 
         try:
             await self._generate(request, sender, release)
