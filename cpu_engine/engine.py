@@ -21,19 +21,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from trtllm_emulation.requests import EngineRequest, EngineRequestError  # noqa: F401 (this module's API)
 from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, quantize_linear_layers
 from cpu_engine.rows import RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
-from coordinator.sampling.params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters of configs/cpu.pbtxt this engine understands.
@@ -85,22 +85,6 @@ def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
     return name
-
-
-class EngineRequestError(ValueError):
-    """The request violates the engine's limits (named field, stated limit)."""
-
-
-@dataclass
-class EngineRequest:
-    input_ids: np.ndarray
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    end_id: int | None = None
-    draft_tokens: np.ndarray | None = None
-    draft_logits: np.ndarray | None = None  # [k, vocab]
-    return_logits: bool = False
-    stop_words: tuple[tuple[int, ...], ...] = ()  # stop_words_list: each ends the call, returned and counted
 
 
 @dataclass

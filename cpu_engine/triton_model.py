@@ -22,8 +22,6 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from coordinator.sampling.params import Penalties, SamplingParams
-from coordinator.sampling.penalties import read_word_list
 from coordinator.settings import expand_env
 from coordinator.triton.logs import log_to_stderr
 from cpu_engine.engine import (
@@ -35,6 +33,7 @@ from cpu_engine.engine import (
 )
 from cpu_engine.faults import FaultConfigError, FaultInjector
 from cpu_engine.turns import ForwardTurns
+from trtllm_emulation.requests import read_request
 
 log = logging.getLogger(__name__)
 
@@ -304,46 +303,5 @@ def _scalar(request, name, default):
 
 
 def _read_request(request) -> EngineRequest:
-    input_ids = _optional(request, "input_ids")
-    if input_ids is None:
-        raise EngineRequestError("input_ids is required")
-    input_ids = input_ids.reshape(-1)
-    length = int(_scalar(request, "input_lengths", input_ids.size))
-    if not 0 < length <= input_ids.size:
-        raise EngineRequestError(f"input_lengths must be between 1 and the size of input_ids ({input_ids.size})")
-    drafts = _optional(request, "draft_input_ids")
-    draft_logits = _optional(request, "draft_logits")
-    if draft_logits is not None:
-        draft_logits = draft_logits.reshape(draft_logits.shape[-2], draft_logits.shape[-1])
-    end_id = _scalar(request, "end_id", None)
-    # Like TensorRT-LLM: neither top-k nor top-p given means greedy decoding.
-    unfiltered = _optional(request, "runtime_top_k") is None and _optional(request, "runtime_top_p") is None
-    bad_words = _optional(request, "bad_words_list")
-    stop_words = _optional(request, "stop_words_list")
-    penalties = Penalties(
-        repetition=float(_scalar(request, "repetition_penalty", 1.0)),
-        presence=float(_scalar(request, "presence_penalty", 0.0)),
-        frequency=float(_scalar(request, "frequency_penalty", 0.0)),
-        min_length=int(_scalar(request, "min_length", 0)),
-        bad_words=() if bad_words is None or bad_words.size == 0 else read_word_list(bad_words),
-        prompt_length=length,  # min_length counts from this call's input, as TensorRT-LLM's
-    )
-    if penalties.repetition <= 0.0:
-        raise EngineRequestError(f"repetition_penalty must be > 0, got {penalties.repetition:g}")
-    return EngineRequest(
-        input_ids=input_ids[:length],
-        max_new_tokens=int(_scalar(request, "request_output_len", 1)),
-        sampling=SamplingParams(
-            temperature=float(_scalar(request, "temperature", 1.0)),
-            top_k=1 if unfiltered else int(_scalar(request, "runtime_top_k", 0)),
-            top_p=float(_scalar(request, "runtime_top_p", 1.0)),
-            seed=int(_scalar(request, "random_seed", 0)),
-            penalties=penalties if penalties.active else None,
-            log_probs=bool(_scalar(request, "return_log_probs", False)),
-        ),
-        end_id=None if end_id is None else int(end_id),
-        draft_tokens=None if drafts is None or drafts.size == 0 else drafts.reshape(-1),
-        draft_logits=draft_logits,
-        return_logits=bool(_scalar(request, "return_generation_logits", False)),
-        stop_words=() if stop_words is None or stop_words.size == 0 else read_word_list(stop_words),
-    )
+    return read_request(lambda name: _optional(request, name))
+

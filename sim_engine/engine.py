@@ -23,33 +23,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.sampling.params import SamplingParams
 from sim_engine.lm import BACKGROUND, SyntheticLM
 from sim_engine.presets import StepTime
 from trtllm_emulation import calls
 from trtllm_emulation.calls import CallResult, PlainDecoding
+from trtllm_emulation.requests import EngineRequest, EngineRequestError  # noqa: F401 (this module's API)
 
 PREFIX_KEY = 8  # tokens that key the prefix pool's buckets (a prompt's first ones)
 BUCKET = 8  # sequences kept per bucket, newest first
-
-
-class SimRequestError(ValueError):
-    """The request violates the engine's limits (named field, stated limit)."""
-
-
-@dataclass
-class SimRequest:
-    input_ids: np.ndarray
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    end_id: int | None = None
-    draft_tokens: np.ndarray | None = None
-    draft_logits: np.ndarray | None = None  # [k, vocab]
-    return_logits: bool = False
 
 
 @dataclass
@@ -84,7 +69,7 @@ class _Compact:
 
 @dataclass(eq=False)
 class SimCall:
-    request: SimRequest
+    request: EngineRequest
     context: list[int]
     drafts: list[int]
     reused: int
@@ -129,7 +114,7 @@ class SimEngine:
 
     # -- calls ---------------------------------------------------------------
 
-    def submit(self, request: SimRequest, on_tokens=None) -> SimCall:
+    def submit(self, request: EngineRequest, on_tokens=None) -> SimCall:
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
@@ -146,7 +131,7 @@ class SimEngine:
     def pending(self) -> int:
         return len(self.calls)
 
-    def run(self, request: SimRequest) -> SimResult:
+    def run(self, request: EngineRequest) -> SimResult:
         call = self.submit(request)
         while not call.finished:
             self.step()
@@ -276,21 +261,21 @@ class SimEngine:
         while len(self.pool) > self.max_cached_sequences:
             self.pool.popitem(last=False)
 
-    def _check(self, request: SimRequest, input_ids: np.ndarray, drafts: list[int]) -> None:
+    def _check(self, request: EngineRequest, input_ids: np.ndarray, drafts: list[int]) -> None:
         if input_ids.size == 0:
-            raise SimRequestError("input_ids is empty")
+            raise EngineRequestError("input_ids is empty")
         if request.max_new_tokens < 1:
-            raise SimRequestError(f"request_output_len must be at least 1, got {request.max_new_tokens}")
+            raise EngineRequestError(f"request_output_len must be at least 1, got {request.max_new_tokens}")
         if ((input_ids < 0) | (input_ids >= self.vocab_size)).any() or any(
                 not 0 <= t < self.vocab_size for t in drafts):
-            raise SimRequestError(f"token ids must be in [0, {self.vocab_size}) for this model")
+            raise EngineRequestError(f"token ids must be in [0, {self.vocab_size}) for this model")
         if input_ids.size + max(request.max_new_tokens, len(drafts) + 1) > self.max_context_tokens:
-            raise SimRequestError(f"input_ids ({input_ids.size} tokens) plus request_output_len exceeds "
+            raise EngineRequestError(f"input_ids ({input_ids.size} tokens) plus request_output_len exceeds "
                                   f"max_context_tokens {self.max_context_tokens}")
         if len(drafts) > self.max_draft_len:
-            raise SimRequestError(f"draft_input_ids ({len(drafts)} tokens) exceeds max_draft_len {self.max_draft_len}")
+            raise EngineRequestError(f"draft_input_ids ({len(drafts)} tokens) exceeds max_draft_len {self.max_draft_len}")
         if request.draft_logits is not None and drafts:
             shape = tuple(np.shape(request.draft_logits))
             if shape != (len(drafts), self.vocab_size):
-                raise SimRequestError(f"draft_logits must have shape [{len(drafts)}, {self.vocab_size}] "
+                raise EngineRequestError(f"draft_logits must have shape [{len(drafts)}, {self.vocab_size}] "
                                       f"(draft tokens x vocabulary), got {list(shape)}")

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from coordinator.sampling.params import Penalties, SamplingParams
-from coordinator.sampling.penalties import read_word_list
 from coordinator.settings import expand_env
-from sim_engine.engine import SimEngine, SimRequest, SimRequestError
+from sim_engine.engine import SimEngine
+from trtllm_emulation.requests import EngineRequest, EngineRequestError, read_request
 from sim_engine.lm import SyntheticLM
 from sim_engine.presets import UnknownPreset, preset
 
@@ -61,7 +60,7 @@ class TritonPythonModel:
         self._senders: dict[int, tuple[object, bool]] = {}
         self._streamed: dict[int, int] = {}
         self._wake = threading.Condition()
-        self._incoming: list[tuple[object, SimRequest, bool]] = []
+        self._incoming: list[tuple[object, EngineRequest, bool]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-sim", daemon=True)
         self._thread.start()
@@ -73,7 +72,7 @@ class TritonPythonModel:
             try:
                 sim_request = _read_request(request)
                 streaming = bool(_scalar(request, "streaming", False))
-            except SimRequestError as error:
+            except EngineRequestError as error:
                 _send_error(sender, f"{self.name}: {error}")
                 continue
             with self._wake:
@@ -94,7 +93,7 @@ class TritonPythonModel:
             for sender, sim_request, streaming in incoming:
                 try:
                     call = self.engine.submit(sim_request, on_tokens=self._stream if streaming else None)
-                except SimRequestError as error:
+                except EngineRequestError as error:
                     _send_error(sender, f"{self.name}: {error}")
                     continue
                 self._senders[id(call)] = (sender, streaming)
@@ -164,45 +163,7 @@ def _scalar(request, name, default):
     return default if value is None or value.size == 0 else value.reshape(-1)[0].item()
 
 
-def _read_request(request) -> SimRequest:
-    """The inputs as the CPU engine's adapter reads them (cpu_engine/triton_model.py, _read_request)."""
-    input_ids = _optional(request, "input_ids")
-    if input_ids is None:
-        raise SimRequestError("input_ids is required")
-    input_ids = input_ids.reshape(-1)
-    length = int(_scalar(request, "input_lengths", input_ids.size))
-    if not 0 < length <= input_ids.size:
-        raise SimRequestError(f"input_lengths must be between 1 and the size of input_ids ({input_ids.size})")
-    drafts = _optional(request, "draft_input_ids")
-    draft_logits = _optional(request, "draft_logits")
-    if draft_logits is not None:
-        draft_logits = draft_logits.reshape(draft_logits.shape[-2], draft_logits.shape[-1])
-    end_id = _scalar(request, "end_id", None)
-    unfiltered = _optional(request, "runtime_top_k") is None and _optional(request, "runtime_top_p") is None
-    bad_words = _optional(request, "bad_words_list")
-    penalties = Penalties(
-        repetition=float(_scalar(request, "repetition_penalty", 1.0)),
-        presence=float(_scalar(request, "presence_penalty", 0.0)),
-        frequency=float(_scalar(request, "frequency_penalty", 0.0)),
-        min_length=int(_scalar(request, "min_length", 0)),
-        bad_words=() if bad_words is None or bad_words.size == 0 else read_word_list(bad_words),
-        prompt_length=length,
-    )
-    if penalties.repetition <= 0.0:
-        raise SimRequestError(f"repetition_penalty must be > 0, got {penalties.repetition:g}")
-    return SimRequest(
-        input_ids=input_ids[:length],
-        max_new_tokens=int(_scalar(request, "request_output_len", 1)),
-        sampling=SamplingParams(
-            temperature=float(_scalar(request, "temperature", 1.0)),
-            top_k=1 if unfiltered else int(_scalar(request, "runtime_top_k", 0)),
-            top_p=float(_scalar(request, "runtime_top_p", 1.0)),
-            seed=int(_scalar(request, "random_seed", 0)),
-            penalties=penalties if penalties.active else None,
-            log_probs=bool(_scalar(request, "return_log_probs", False)),
-        ),
-        end_id=None if end_id is None else int(end_id),
-        draft_tokens=None if drafts is None or drafts.size == 0 else drafts.reshape(-1),
-        draft_logits=draft_logits,
-        return_logits=bool(_scalar(request, "return_generation_logits", False)),
-    )
+def _read_request(request) -> EngineRequest:
+    """The inputs as every engine adapter here reads them (trtllm_emulation/requests.py)."""
+    return read_request(lambda name: _optional(request, name))
+

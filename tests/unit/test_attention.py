@@ -6,9 +6,7 @@ prefill, or in a packed forward next to other sequences. The fast tests check
 that on random tensors; the slow ones on the real target, end to end.
 """
 
-import itertools
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.sampling.params import SamplingParams
-from sim_engine.engine import SimEngine, SimRequest
+from sim_engine.engine import SimEngine, EngineRequest
 from sim_engine.lm import SyntheticLM
 from sim_engine.presets import PRESETS, StepTime, UnknownPreset, expected_tokens, ideal, preset
 from trtllm_emulation import calls
@@ -71,13 +71,13 @@ def test_greedy_calls_on_compact_rows_equal_calls_py_on_full_rows():
     rng = random.Random(1)
     for i in range(40):
         prompt = [rng.randrange(150000) for _ in range(rng.randrange(1, 20))]
-        plain = engine.run(SimRequest(np.array(prompt), 6)).tokens
+        plain = engine.run(EngineRequest(np.array(prompt), 6)).tokens
         drafts = []
         for _ in range(rng.randrange(1, 6)):
             drafts.append(drafter.greedy(prompt + drafts))
         end = plain[2] if i % 3 == 0 else None
-        for request in (SimRequest(np.array(prompt), 6, end_id=end),
-                        SimRequest(np.array(prompt), len(drafts) + 1, end_id=end, draft_tokens=np.array(drafts))):
+        for request in (EngineRequest(np.array(prompt), 6, end_id=end),
+                        EngineRequest(np.array(prompt), len(drafts) + 1, end_id=end, draft_tokens=np.array(drafts))):
             assert engine.run(request).tokens == _full(engine, request)
 
 
@@ -97,10 +97,10 @@ class FakeClock:
 def test_forwards_take_the_tables_time_for_all_their_rows_and_batch_in_flight():
     clock = FakeClock()
     engine = SimEngine(SyntheticLM(VOCAB, "target"), StepTime(7.0, 0.03), clock=clock, sleeper=clock.sleep)
-    a = engine.submit(SimRequest(np.arange(1, 11), 3))  # context phase: 10 rows, yields its first token
+    a = engine.submit(EngineRequest(np.arange(1, 11), 3))  # context phase: 10 rows, yields its first token
     engine.step()
     assert clock.slept == [pytest.approx(0.007 + 0.03e-3 * 9)] and len(a.plain.tokens) == 1
-    b = engine.submit(SimRequest(np.arange(50, 53), 1, draft_tokens=np.array([7, 8])))  # joins: 3 + 2 rows
+    b = engine.submit(EngineRequest(np.arange(50, 53), 1, draft_tokens=np.array([7, 8])))  # joins: 3 + 2 rows
     done = engine.step()
     assert engine.last_forward == (2, 6) and done == [b]
     assert clock.slept[-1] == pytest.approx(0.007 + 0.03e-3 * 5)
@@ -108,7 +108,7 @@ def test_forwards_take_the_tables_time_for_all_their_rows_and_batch_in_flight():
     assert a.finished and engine.last_forward == (1, 1)
     # the next call of the same sequence finds its prefix in the pool: only the new token is a row
     tokens = engine.result(a).tokens
-    engine.submit(SimRequest(np.concatenate([np.arange(1, 11), tokens[:2], [5]]), 1))
+    engine.submit(EngineRequest(np.concatenate([np.arange(1, 11), tokens[:2], [5]]), 1))
     engine.step()
     assert engine.last_forward == (1, 1)
 
@@ -116,6 +116,6 @@ def test_forwards_take_the_tables_time_for_all_their_rows_and_batch_in_flight():
 def test_sampled_calls_carry_the_real_vocabulary_and_follow_their_seed():
     engine = SimEngine(SyntheticLM(VOCAB, "draft"), StepTime(0, 0), sleep=False)
     params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=5)
-    one = engine.run(SimRequest(np.array([1, 2, 3]), 4, sampling=params, return_logits=True))
+    one = engine.run(EngineRequest(np.array([1, 2, 3]), 4, sampling=params, return_logits=True))
     assert one.logits.shape == (len(one.tokens), VOCAB)
-    assert engine.run(SimRequest(np.array([1, 2, 3]), 4, sampling=params)).tokens == one.tokens
+    assert engine.run(EngineRequest(np.array([1, 2, 3]), 4, sampling=params)).tokens == one.tokens
