@@ -3,8 +3,14 @@ launch: tritonserver with the real model pair, cpu profile, its engine
 watchdog and the OpenAI-compatible frontend) once per test session, on free
 ports.
 
-The only test-only settings are a known admin key (so the security tests can
-use the restricted APIs) and the CPU engine's fault injection
+It runs as production does with an inference API key (SPECDEC_API_KEY):
+every test client sends it, the tools (tools.stream, the soak, locust,
+AIPerf) from the variable SPECDEC_API_KEY, which this fixture sets in the
+tests' own environment for the session, and the helpers of
+tests/server_client.py from ``ServerAddress.api_key``; the security tests
+send none or a wrong one on purpose. The only test-only settings are a known
+admin key (so the security tests can use the restricted APIs) and the CPU
+engine's fault injection
 (cpu_engine/faults.py), whose rules fire only for requests carrying one of
 the reserved seeds in ``FAULT_SEEDS`` (>= 2^63; requests without a seed get
 one below 2^63). Every other request is served exactly as in production, so
@@ -40,6 +46,7 @@ class ServerAddress:
     http_url: str
     metrics_url: str
     admin_key: str | None = field(default=None, repr=False)  # None: unknown (external server)
+    api_key: str | None = field(default=None, repr=False)  # inference key; None: none (or unknown)
     pid: int | None = None  # tritonserver's process id, when the tests started it
     faults: bool = False  # the FAULT_SEEDS rules are active
     draft_deadline: float | None = None
@@ -166,39 +173,51 @@ def triton_server(tmp_path_factory) -> ServerAddress:
         host = external.rsplit(":", 1)[0]
         yield ServerAddress(external, f"http://{host}:8000", f"http://{host}:8002",
                             admin_key=os.environ.get("SPECDEC_ADMIN_KEY") or None,
+                            api_key=os.environ.get("SPECDEC_API_KEY") or None,
                             openai_url=f"http://{host}:9000/v1", watchdog_url=f"http://{host}:8003/metrics")
         return
 
     from cpu_engine.faults import ALLOW_VAR, FAULTS_VAR
+    from coordinator.request.access import API_KEY_VAR
     from launcher.launch import ADMIN_KEY_VAR, new_admin_key
     from selfheal.exposition import PORT_VAR as WATCHDOG_PORT_VAR
     from launcher.openai_frontend import PORT_VAR as OPENAI_PORT_VAR
 
-    admin_key = new_admin_key()
+    admin_key, api_key = new_admin_key(), new_admin_key()
     http, grpc, metrics, openai, watchdog = (free_port() for _ in range(5))
     env = {
         "SPECDEC_HTTP_PORT": str(http), "SPECDEC_GRPC_PORT": str(grpc), "SPECDEC_METRICS_PORT": str(metrics),
         OPENAI_PORT_VAR: str(openai), WATCHDOG_PORT_VAR: str(watchdog), ADMIN_KEY_VAR: admin_key,
+        API_KEY_VAR: api_key,
         FAULTS_VAR: fault_rules(), ALLOW_VAR: "1",
         # Calls a killed engine had are never released, so a stop after the engine-killing
         # tests would wait Triton's whole exit timeout (30 s by default) for them.
         "SPECDEC_TRITON_ARGS": "--exit-timeout-secs=5",
     }
     log_path = Path(tmp_path_factory.mktemp("triton")) / "specdec-serve.log"
-    with specdec_serve(env, log_path) as (launcher, server_pid):
-        yield ServerAddress(
-            f"127.0.0.1:{grpc}",
-            f"http://127.0.0.1:{http}",
-            f"http://127.0.0.1:{metrics}",
-            admin_key=admin_key,
-            pid=server_pid,
-            faults=True,
-            draft_deadline=_configured_draft_deadline(),
-            log_path=log_path,
-            openai_url=f"http://127.0.0.1:{openai}/v1",
-            watchdog_url=f"http://127.0.0.1:{watchdog}/metrics",
-            launcher_pid=launcher.pid,
-        )
+    previous = os.environ.get(API_KEY_VAR)
+    os.environ[API_KEY_VAR] = api_key  # what the tools read, as a user of the server sets it
+    try:
+        with specdec_serve(env, log_path) as (launcher, server_pid):
+            yield ServerAddress(
+                f"127.0.0.1:{grpc}",
+                f"http://127.0.0.1:{http}",
+                f"http://127.0.0.1:{metrics}",
+                admin_key=admin_key,
+                api_key=api_key,
+                pid=server_pid,
+                faults=True,
+                draft_deadline=_configured_draft_deadline(),
+                log_path=log_path,
+                openai_url=f"http://127.0.0.1:{openai}/v1",
+                watchdog_url=f"http://127.0.0.1:{watchdog}/metrics",
+                launcher_pid=launcher.pid,
+            )
+    finally:
+        if previous is None:
+            os.environ.pop(API_KEY_VAR, None)
+        else:
+            os.environ[API_KEY_VAR] = previous
 
 
 @pytest.fixture(scope="session")

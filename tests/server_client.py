@@ -1,5 +1,6 @@
 """Calls to the test server (gRPC, HTTP and metrics ports) and the inputs
-they need, shared by the real-server test modules."""
+they need, shared by the real-server test modules. Inference calls carry the
+server's API key (``server.api_key``) as Triton expects it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from coordinator.request.access import API_KEY_HEADER, grpc_headers
 from tools.prompts import load_humaneval
 from tools.client import Completion, build_inputs, stream_completion
 from tools.scrape import fetch_metrics, metric_value
@@ -32,7 +34,8 @@ def tensor(name, array, dtype) -> grpcclient.InferInput:
 def complete(server, prompt, max_tokens: int, timeout: float = 300.0, **kwargs) -> Completion:
     """One streamed completion from the coordinator (``kwargs``: build_inputs' options)."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        return stream_completion(client, build_inputs(prompt, max_tokens, **kwargs), timeout=timeout)
+        return stream_completion(client, build_inputs(prompt, max_tokens, **kwargs), timeout=timeout,
+                                 headers=grpc_headers(server.api_key))
 
 
 def concurrently(server, jobs, timeout: float = 600.0) -> list[Completion]:
@@ -62,15 +65,19 @@ def grpc_error(server, inputs, timeout: float = 60.0) -> str:
     """The error message the server answers ``inputs`` with (fails if it answers otherwise)."""
     with pytest.raises(InferenceServerException) as error:
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            stream_completion(client, inputs, timeout=timeout)
+            stream_completion(client, inputs, timeout=timeout, headers=grpc_headers(server.api_key))
     return error.value.message()
 
 
-def http_status(server, path, method="GET", headers=None, body=None) -> tuple[int, str]:
-    """(status, body) of an HTTP call; a POST without a body sends ``{}``."""
+def http_status(server, path, method="GET", headers=None, body=None, api_key=True) -> tuple[int, str]:
+    """(status, body) of an HTTP call; a POST without a body sends ``{}``.
+    ``api_key``: send the server's API key (unless ``headers`` carry one)."""
     if body is None and method == "POST":
         body = b"{}"
-    request = urllib.request.Request(f"{server.http_url}{path}", method=method, headers=headers or {}, data=body)
+    headers = dict(headers or {})
+    if api_key and server.api_key:
+        headers.setdefault(API_KEY_HEADER, server.api_key)
+    request = urllib.request.Request(f"{server.http_url}{path}", method=method, headers=headers, data=body)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()
@@ -102,7 +109,8 @@ def engine_responses(server, model: str, tensors: dict, outputs, timeout: float 
     answers: queue.Queue = queue.Queue()
     results = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                            headers=grpc_headers(server.api_key))
         try:
             client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
                                       enable_empty_final_response=True)

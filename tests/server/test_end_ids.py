@@ -57,7 +57,8 @@ def test_a_chat_turn_that_ends_by_itself_costs_the_target_no_forward_past_its_en
     text = AutoTokenizer.from_pretrained(str(real_target_dir)).apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True)
     assert len(Tokenizer.from_file(str(real_target_dir / "tokenizer.json")).encode(text).ids) < 64
-    client = openai.OpenAI(base_url=openai_frontend, api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=openai_frontend, api_key=triton_server.api_key or "none", max_retries=0,
+                           timeout=300)
     before = quiet_metrics(triton_server)
     answer = client.chat.completions.create(model="coordinator", messages=MESSAGES, max_tokens=64, temperature=0,
                                             extra_body={"speculation_window": 0})

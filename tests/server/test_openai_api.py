@@ -27,8 +27,10 @@ STATISTIC_NAMES = [spec.name for spec in STATISTICS]
 
 
 @pytest.fixture(scope="module")
-def client(openai_frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=openai_frontend, api_key="unused", max_retries=0, timeout=300)
+def client(openai_frontend, triton_server) -> openai.OpenAI:
+    """As a user's client: the server's API key as the package's api_key (Bearer)."""
+    return openai.OpenAI(base_url=openai_frontend, api_key=triton_server.api_key or "none", max_retries=0,
+                         timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from coordinator.request.access import http_headers
 from tools.client import build_inputs
 from tests.server_client import complete, concurrently, grpc_error, humaneval_prompts, metric, metrics_text, tensor
 
@@ -94,7 +95,8 @@ def test_concurrent_seeded_sampled_streams_repeat_their_texts(triton_server):
 
 def test_http_generate_endpoint(triton_server):
     body = json.dumps({"text_input": "def add(a, b):", "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"{triton_server.http_url}/v2/models/coordinator/generate", data=body)
+    request = urllib.request.Request(f"{triton_server.http_url}/v2/models/coordinator/generate", data=body,
+                                     headers=http_headers(triton_server.api_key))
     with urllib.request.urlopen(request, timeout=300) as response:
         answer = json.loads(response.read())
     assert answer["text_output"] and answer["completion_tokens"] == 8

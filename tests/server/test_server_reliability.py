@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from tools.client import build_inputs, stream_completion
 from tools.stream import MODEL
 from coordinator.engines.tensors import engine_inputs
+from coordinator.request.access import grpc_headers
 from coordinator.sampling.params import SamplingParams
 from tools.soak import process_tree, sample_memory
 from launcher.launch import PROJECT_ROOT, ServerOptions
@@ -341,7 +342,8 @@ def start_and_cancel(server, prompt, chunks_before_cancel=2, max_tokens=200):
     """Stream a long completion, cancel it after some chunks; returns the chunks seen."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                        headers=grpc_headers(server.api_key))
     seen = 0
     try:
         client.async_stream_infer(MODEL, build_inputs(prompt, max_tokens), enable_empty_final_response=True)
