@@ -30,8 +30,9 @@ from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 PROJECT_ROOT = Path(coordinator.__file__).resolve().parent.parent
 
 # Triton APIs that answer only requests carrying the header ADMIN_KEY_HEADER with
-# the admin key, on HTTP and gRPC alike. Health, metadata and inference stay
-# open. The same list is in docker/trtllm-entrypoint.sh (tests/unit/test_security_config.py).
+# the admin key, on HTTP and gRPC alike. Health and metadata stay open;
+# inference needs the API key (INFERENCE_APIS). The same list is in
+# docker/trtllm-entrypoint.sh (tests/unit/test_security_config.py).
 RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "statistics", "trace", "logging")
 # Every model loads at start-up; explicit control lets the engine watchdog
 # (selfheal/) reload an engine whose process died. Loading and unloading are

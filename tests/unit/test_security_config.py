@@ -247,3 +247,12 @@ def test_the_trtllm_entrypoint_api_key_handling(env, ok):
         assert flags.split() == [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
     else:
         assert flags == ""
+
+
+def test_the_documented_inference_key_matches_the_launcher():
+    text = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    for name in (launch.API_KEY_VAR, launch.ALLOW_OPEN_INFERENCE_VAR, launch.API_KEY_HEADER,
+                 launch.GRPC_API_KEY_HEADER, "Authorization: Bearer", "hmac.compare_digest", "/proc/<pid>/cmdline",
+                 "shareProcessNamespace", "triton-specdec-api"):
+        assert name in text, name
+    assert f"Triton's `{launch.INFERENCE_APIS[0]}` category behind it" in text
