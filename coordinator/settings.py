@@ -26,7 +26,7 @@ ENV_OVERRIDES = {
     "adaptive_window": "SPECDEC_ADAPTIVE_WINDOW",
     "draft_timeout_seconds": "SPECDEC_DRAFT_TIMEOUT_SECONDS",
     "drafter": "SPECDEC_DRAFTER",
-    "max_inflight_requests": "SPECDEC_MAX_INFLIGHT_REQUESTS",
+    "max_inflight_requests": "SPECDEC_MAX_INFLIGHT",
     "speculation_ab_fraction": "SPECDEC_AB_FRACTION",
 }
 
@@ -89,8 +89,9 @@ class CoordinatorSettings:
     # in flight at once; the next one is refused at once with an error
     # (UNAVAILABLE; 429 from the OpenAI frontend) instead of queueing behind
     # work the engines cannot take. Each profile's config sets it to the target
-    # engine's capacity (its max_batch_size); 0: no bound.
-    max_inflight_requests: int = 0
+    # engine's capacity (its max_batch_size); a config without it gets the
+    # trtllm profile's, 64. At least 1: a server that admits nobody is a mistake.
+    max_inflight_requests: int = 64
     # The traffic split (docs/rollout.md): this share of requests, chosen by a
     # hash of their ab_key (the OpenAI user; random where none), decodes
     # without speculation (arm control), the rest with the server's defaults
@@ -133,9 +134,10 @@ class CoordinatorSettings:
                 f"got {self.prompt_lookup_min_ngram} and {self.prompt_lookup_max_ngram}")
         if not 1 <= self.hybrid_min_match <= MAX_NGRAM:
             raise SettingsError(f"hybrid_min_match must be between 1 and {MAX_NGRAM}, got {self.hybrid_min_match}")
-        if self.max_inflight_requests < 0:
+        if self.max_inflight_requests < 1:
             raise SettingsError(
-                f"max_inflight_requests must be >= 0 (0 = no bound), got {self.max_inflight_requests}")
+                f"max_inflight_requests ({ENV_OVERRIDES['max_inflight_requests']}) must be at least 1 "
+                f"(the most requests served at once), got {self.max_inflight_requests}")
         if not 0.0 <= self.speculation_ab_fraction <= 1.0:
             raise SettingsError(
                 f"speculation_ab_fraction (SPECDEC_AB_FRACTION) must be between 0 and 1, "

@@ -47,11 +47,11 @@ class Slot:
 
 
 class Admission:
-    """Counts the requests in flight against ``limit`` (0: no bound)."""
+    """Counts the requests in flight against ``limit``."""
 
     def __init__(self, limit: int):
-        if limit < 0:
-            raise ValueError(f"max_inflight_requests must be >= 0 (0: no bound), got {limit}")
+        if limit < 1:
+            raise ValueError(f"max_inflight_requests must be at least 1, got {limit}")
         self.limit = limit
         self._in_flight = 0
         self._lock = threading.Lock()

@@ -130,7 +130,7 @@ STREAMS = _spec("specdec_decoding_requests", GAUGE, "Requests decoding now (the 
 INFLIGHT = _spec("specdec_inflight_requests", GAUGE,
                  "Requests admitted and not yet answered (prefilling, decoding or waiting for an engine)")
 MAX_INFLIGHT = _spec("specdec_max_inflight_requests", GAUGE,
-                     "The most requests admitted at once (max_inflight_requests; 0: no bound)")
+                     "The most requests admitted at once (max_inflight_requests)")
 REFUSED = _spec("specdec_refused_requests_total", COUNTER,
                 "Requests refused at arrival because max_inflight_requests were in flight")
 LOAD_REGIME = {

@@ -32,11 +32,10 @@ def test_the_bound_admits_up_to_its_limit_and_a_release_makes_room():
     assert admission.admit() is not None and admission.admit() is None
 
 
-def test_zero_is_no_bound_and_a_negative_bound_is_refused():
-    admission = Admission(0)
-    assert all(admission.admit() for _ in range(1000))
-    with pytest.raises(ValueError, match="max_inflight_requests must be >= 0"):
-        Admission(-1)
+@pytest.mark.parametrize("limit", [0, -1])
+def test_a_bound_below_one_is_refused(limit):
+    with pytest.raises(ValueError, match="max_inflight_requests must be at least 1"):
+        Admission(limit)
 
 
 def test_the_refusal_names_the_setting_and_is_recognised_behind_prefixes():
@@ -50,12 +49,13 @@ def test_the_refusal_names_the_setting_and_is_recognised_behind_prefixes():
 def test_the_setting_comes_from_the_config_or_the_environment():
     assert CoordinatorSettings.from_parameters({"max_inflight_requests": "8"}, {}).max_inflight_requests == 8
     assert CoordinatorSettings.from_parameters({"max_inflight_requests": "8"},
-                                               {"SPECDEC_MAX_INFLIGHT_REQUESTS": "3"}).max_inflight_requests == 3
-    assert CoordinatorSettings().max_inflight_requests == 0
-    with pytest.raises(SettingsError, match="max_inflight_requests must be >= 0"):
-        CoordinatorSettings.from_parameters({"max_inflight_requests": "-1"}, {})
+                                               {"SPECDEC_MAX_INFLIGHT": "3"}).max_inflight_requests == 3
+    assert CoordinatorSettings().max_inflight_requests == 64
+    for bound in ("0", "-1"):
+        with pytest.raises(SettingsError, match=r"max_inflight_requests \(SPECDEC_MAX_INFLIGHT\) must be at least 1"):
+            CoordinatorSettings.from_parameters({"max_inflight_requests": "8"}, {"SPECDEC_MAX_INFLIGHT": bound})
     with pytest.raises(SettingsError, match="max_inflight_requests must be int"):
-        CoordinatorSettings.from_parameters({}, {"SPECDEC_MAX_INFLIGHT_REQUESTS": "lots"})
+        CoordinatorSettings.from_parameters({}, {"SPECDEC_MAX_INFLIGHT": "lots"})
 
 
 # ------------------------------------------------------------ the adapter ----

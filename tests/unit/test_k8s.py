@@ -372,7 +372,7 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
     assert data["SPECDEC_DRAFTER"] == pbtxt_parameter(config, "drafter")
     # Empty: each profile's own bound, the target engine's capacity (a number here
     # would apply one profile's bound to the other's engines).
-    assert data["SPECDEC_MAX_INFLIGHT_REQUESTS"] == ""
+    assert data["SPECDEC_MAX_INFLIGHT"] == ""
     # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
     from coordinator.settings import ENV_OVERRIDES
 
