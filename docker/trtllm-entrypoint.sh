@@ -98,14 +98,27 @@ restricted="${RESTRICTED_APIS}:${ADMIN_KEY_HEADER}=${admin_key}"
 # Inference (HTTP infer/generate, gRPC) answers only requests carrying the
 # header `specdec-api-key: <key>`; the OpenAI frontend asks its clients for the
 # same key (Authorization: Bearer) and passes it on. The key comes from
-# SPECDEC_API_KEY (Kubernetes: the Secret triton-specdec-api); without it the
-# container refuses to start unless SPECDEC_ALLOW_OPEN_INFERENCE=1 (a gateway in
-# front authenticates callers). As INFERENCE_APIS and check_access in
+# SPECDEC_API_KEY (Kubernetes: the Secret triton-specdec-api) or from the file
+# SPECDEC_API_KEY_FILE names (the Secret mounted as a volume); without either
+# the container refuses to start unless SPECDEC_ALLOW_OPEN_INFERENCE=1 (a
+# gateway in front authenticates callers). A setting that is set but empty,
+# both at once, or a file that cannot be read stops it by name. As INFERENCE_APIS and check_access in
 # launcher/launch.py (tests/unit/test_security_config.py keeps them equal).
 INFERENCE_APIS="inference"
 API_KEY_HEADER="specdec-api-key"
-api_key="${SPECDEC_API_KEY:-}"
-unset SPECDEC_API_KEY  # tritonserver's flags, the frontend and the watchdog get it; the models do not
+if [ -n "${SPECDEC_API_KEY_FILE+set}" ]; then
+    [ -z "${SPECDEC_API_KEY+set}" ] || die "set SPECDEC_API_KEY or SPECDEC_API_KEY_FILE, not both"
+    [ -n "${SPECDEC_API_KEY_FILE}" ] || die "SPECDEC_API_KEY_FILE is set but empty: name the file that holds the key, or unset it"
+    [ -r "${SPECDEC_API_KEY_FILE}" ] || die "SPECDEC_API_KEY_FILE: cannot read ${SPECDEC_API_KEY_FILE}"
+    api_key="$(tr -d '[:space:]' < "${SPECDEC_API_KEY_FILE}")"
+    [ -n "${api_key}" ] || die "SPECDEC_API_KEY_FILE: ${SPECDEC_API_KEY_FILE} is empty; it must hold the key"
+else
+    if [ -n "${SPECDEC_API_KEY+set}" ] && [ -z "${SPECDEC_API_KEY//[[:space:]]/}" ]; then
+        die "SPECDEC_API_KEY is set but empty: set a key (e.g. openssl rand -hex 32), or unset it"
+    fi
+    api_key="${SPECDEC_API_KEY:-}"
+fi
+unset SPECDEC_API_KEY SPECDEC_API_KEY_FILE  # tritonserver's flags, the frontend and the watchdog get it; the models do not
 inference_flags=()
 if [ -n "${api_key}" ]; then
     case "${api_key}" in

@@ -23,7 +23,8 @@ import coordinator
 from cpu_engine.turns import TURNS_VARIABLE
 from launcher import assets, engine_watchdog, openai_frontend, profiles, shm_regions, tritonserver
 from selfheal import exposition, readiness
-from coordinator.request.access import API_KEY_HEADER, API_KEY_VAR, GRPC_API_KEY_HEADER, api_key_from_env
+from coordinator.request.access import (API_KEY_FILE_VAR, API_KEY_HEADER, API_KEY_VAR, GRPC_API_KEY_HEADER, ApiKeyError,
+                                        server_api_key)
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
 from launcher.pair import TokenizerMismatch, prepare_pair_tokenizer
 
@@ -301,11 +302,16 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
                              f"front authenticates callers) [{ALLOW_OPEN_INFERENCE_VAR}=1]")
     parser.epilog = (f"Keys, from the environment only (never flags, which every user can read): {API_KEY_VAR}, "
                      f"the key inference clients send (header {API_KEY_HEADER}, gRPC {GRPC_API_KEY_HEADER}, "
-                     f"OpenAI 'Authorization: Bearer'); unset: inference is open, allowed on loopback only "
+                     f"OpenAI 'Authorization: Bearer'), or {API_KEY_FILE_VAR}, a file holding it (a mounted "
+                     f"Secret); unset: inference is open, allowed on loopback only "
                      f"unless --allow-open-inference. {ADMIN_KEY_VAR}: the admin APIs' key (header "
                      f"{ADMIN_KEY_HEADER}); unset: a random one per start, shown nowhere.")
     args = parser.parse_args(argv)
     key = env.get(ADMIN_KEY_VAR, "").strip()
+    try:
+        api_key = server_api_key(env)
+    except ApiKeyError as error:
+        parser.error(str(error))
     return ServerOptions(
         target=args.target, draft=args.draft, cache_dir=args.cache_dir, model_repository=args.model_repository,
         address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -313,7 +319,7 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
         log_verbose=args.log_verbose, profile=args.profile, sim_preset=args.sim_preset,
         triton_args=shlex.split(env.get("SPECDEC_TRITON_ARGS", "")) + passthrough,
         admin_key=key or new_admin_key(), admin_key_from_env=bool(key),
-        api_key=api_key_from_env(env), allow_open_inference=args.allow_open_inference,
+        api_key=api_key, allow_open_inference=args.allow_open_inference,
     )
 
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 API_KEY_VAR = "SPECDEC_API_KEY"
+# The server may read its key from a file instead (a Kubernetes Secret mounted
+# as a volume: the value then appears in no environment at all).
+API_KEY_FILE_VAR = "SPECDEC_API_KEY_FILE"
 # The header Triton's restricted inference category expects on HTTP; on gRPC
 # Triton expects it as metadata with its protocol prefix.
 API_KEY_HEADER = "specdec-api-key"
@@ -26,6 +30,39 @@ def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The inference key in ``API_KEY_VAR``; None when it is unset or blank."""
     value = (os.environ if environ is None else environ).get(API_KEY_VAR, "").strip()
     return value or None
+
+
+class ApiKeyError(ValueError):
+    """The server's inference key setting cannot be used."""
+
+
+def server_api_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The key a server restricts inference to: ``API_KEY_VAR``, or the contents
+    of the file ``API_KEY_FILE_VAR`` names; None where neither is set. A setting
+    that is set but empty, both set at once, or a file that cannot be read is
+    refused by name (a server would otherwise start open, or not at all, for a
+    reason its operator cannot see)."""
+    env = os.environ if environ is None else environ
+    value, path = env.get(API_KEY_VAR), env.get(API_KEY_FILE_VAR)
+    if value is not None and path is not None:
+        raise ApiKeyError(f"set {API_KEY_VAR} or {API_KEY_FILE_VAR}, not both")
+    if path is not None:
+        if not path.strip():
+            raise ApiKeyError(f"{API_KEY_FILE_VAR} is set but empty: name the file that holds the key, or unset it")
+        try:
+            value = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or "not UTF-8 text"
+            raise ApiKeyError(f"{API_KEY_FILE_VAR}: cannot read {path}: {reason}") from None
+        if not value.strip():
+            raise ApiKeyError(f"{API_KEY_FILE_VAR}: {path} is empty; it must hold the key")
+        return value.strip()
+    if value is None:
+        return None
+    if not value.strip():
+        raise ApiKeyError(f"{API_KEY_VAR} is set but empty: set a key (e.g. `openssl rand -hex 32`), "
+                          "or unset it to serve without one on loopback")
+    return value.strip()
 
 
 def grpc_headers(api_key: str | None) -> dict[str, str] | None:

@@ -151,10 +151,39 @@ def test_the_api_key_comes_from_the_environment_only_and_is_never_shown(monkeypa
     monkeypatch.setenv("SPECDEC_API_KEY", f" {API_KEY} ")
     options = launch._parse_args([])
     assert options.api_key == API_KEY and API_KEY not in repr(options)
-    monkeypatch.setenv("SPECDEC_API_KEY", "")
-    assert launch._parse_args([]).api_key is None
+    monkeypatch.delenv("SPECDEC_API_KEY")
+    assert launch._parse_args([]).api_key is None  # unset: no key (allowed on loopback only)
     with pytest.raises(SystemExit):  # there is no flag that would put it where `ps` shows it
         launch._parse_args(["--api-key", API_KEY])
+
+
+def test_the_api_key_may_come_from_a_file_as_a_mounted_secret(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    secret = tmp_path / "api-key"
+    secret.write_text(API_KEY + "\n")
+    monkeypatch.setenv("SPECDEC_API_KEY_FILE", str(secret))
+    assert launch._parse_args([]).api_key == API_KEY
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"SPECDEC_API_KEY": ""}, "SPECDEC_API_KEY is set but empty"),
+    ({"SPECDEC_API_KEY": "  "}, "SPECDEC_API_KEY is set but empty"),
+    ({"SPECDEC_API_KEY_FILE": "/nonexistent/api-key"}, "SPECDEC_API_KEY_FILE: cannot read /nonexistent/api-key"),
+    ({"SPECDEC_API_KEY_FILE": "EMPTY"}, "is empty; it must hold the key"),
+    ({"SPECDEC_API_KEY_FILE": ""}, "SPECDEC_API_KEY_FILE is set but empty"),
+    ({"SPECDEC_API_KEY": API_KEY, "SPECDEC_API_KEY_FILE": "EMPTY"}, "not both"),
+])
+def test_a_key_setting_that_cannot_be_used_stops_the_server_at_start_by_name(monkeypatch, tmp_path, capsys,
+                                                                             environment, message):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for name in ("SPECDEC_API_KEY", "SPECDEC_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, str(empty) if value == "EMPTY" else value)
+    with pytest.raises(SystemExit) as stopped:
+        launch._parse_args([])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", ["short", "has space in it 0123", "a:b=c,d0123456789"])
@@ -220,7 +249,7 @@ def entrypoint_api_key_logic() -> str:
     """The entrypoint's key handling, both keys, runnable on its own."""
     text = ENTRYPOINT.read_text()
     start = text.index('RESTRICTED_APIS="')
-    end = text.index("\nfi\n", text.index('INFERENCE_APIS="')) + 4
+    end = text.index("\n# Two TensorRT-LLM models")
     return ('die() { echo "error: $*" >&2; exit 1; }\n' + text[start:end]
             + 'echo "${inference_flags[*]}"; echo "${SPECDEC_API_KEY:-unset}"\n')
 
@@ -232,8 +261,18 @@ def entrypoint_api_key_logic() -> str:
     ({"SPECDEC_API_KEY": "short"}, False),
     ({"SPECDEC_API_KEY": "bad key with spaces!"}, False),
     ({"SPECDEC_API_KEY": API_KEY, "SPECDEC_ADMIN_KEY": API_KEY}, False),
+    ({"SPECDEC_API_KEY_FILE": "KEYFILE"}, True),  # the Secret mounted as a file
+    ({"SPECDEC_API_KEY": ""}, False),  # set but empty
+    ({"SPECDEC_API_KEY_FILE": "/nonexistent/api-key"}, False),
+    ({"SPECDEC_API_KEY_FILE": "EMPTYFILE"}, False),
+    ({"SPECDEC_API_KEY_FILE": ""}, False),
+    ({"SPECDEC_API_KEY": API_KEY, "SPECDEC_API_KEY_FILE": "KEYFILE"}, False),
 ])
-def test_the_trtllm_entrypoint_api_key_handling(env, ok):
+def test_the_trtllm_entrypoint_api_key_handling(tmp_path, env, ok):
+    files = {"KEYFILE": tmp_path / "key", "EMPTYFILE": tmp_path / "empty"}
+    files["KEYFILE"].write_text(API_KEY + "\n")
+    files["EMPTYFILE"].write_text("\n")
+    env = {name: str(files.get(value, value)) for name, value in env.items()}
     run = subprocess.run(["bash", "-euo", "pipefail", "-c", entrypoint_api_key_logic()],
                          env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
     assert (run.returncode == 0) is ok, run.stderr
@@ -242,7 +281,7 @@ def test_the_trtllm_entrypoint_api_key_handling(env, ok):
         return
     flags, exported = run.stdout.rstrip("\n").split("\n")
     assert exported == "unset"  # tritonserver's environment, and so the models', has no key
-    if "SPECDEC_API_KEY" in env:
+    if "SPECDEC_API_KEY" in env or "SPECDEC_API_KEY_FILE" in env:
         setting = f"inference:specdec-api-key={API_KEY}"
         assert flags.split() == [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
     else:
