@@ -56,12 +56,24 @@ def reload(http_url: str, model: str, admin_key: str, timeout: float) -> None:
     load(http_url, model, admin_key, timeout)
 
 
+def config(http_url: str, model: str, admin_key: str, timeout: float) -> dict:
+    """The model's config as Triton holds it (JSON)."""
+    return json.loads(_call(f"{http_url}/v2/models/{model}/config", None, admin_key, timeout))
+
+
+def load_config(http_url: str, model: str, model_config: dict, admin_key: str, timeout: float) -> None:
+    """Load ``model`` with ``model_config`` in place of its repository's: a new
+    instance loads while the old one serves, then they swap. Returns once the
+    new one is ready (or raises)."""
+    _call(f"{http_url}/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(model_config)}},
+          admin_key, timeout)
+
+
 def reload_in_place(http_url: str, model: str, admin_key: str, timeout: float) -> None:
     """Load a new instance while the old one stays loaded, then swap: the
     model and the server stay ready (the draft: requests go on without it).
     Its current config with a new GENERATION_PARAMETER makes Triton load it
     again; the unchanged config would not."""
-    config = json.loads(_call(f"{http_url}/v2/models/{model}/config", None, admin_key, timeout))
-    config.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
-    _call(f"{http_url}/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}},
-          admin_key, timeout)
+    current = config(http_url, model, admin_key, timeout)
+    current.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
+    load_config(http_url, model, current, admin_key, timeout)

@@ -1,11 +1,13 @@
 """Admission control on the session's real server: with max_inflight_requests
 requests in flight, the next one is refused at once on every path (gRPC,
 Triton's HTTP generate, the OpenAI frontend) with the setting named, the
-refusals are counted, and the requests in flight complete untouched. The
-pure bound and the adapter: tests/unit/test_admission.py."""
+refusals are counted, and the requests in flight complete untouched. Then a
+burst of three times a smaller bound, sent at once. The pure bound and the
+adapter: tests/unit/test_admission.py."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -16,6 +18,7 @@ import tritonclient.grpc as grpcclient
 
 from coordinator.request.access import grpc_headers
 from coordinator.request.admission import is_refusal
+from selfheal import triton_admin
 from tests._config_helpers import model_config, parameter
 from tests.server_client import complete, grpc_error, http_status, humaneval_prompts, metric, metrics_text, tensor
 from tools.client import build_inputs, stream_completion
@@ -121,4 +124,79 @@ def test_a_full_server_refuses_the_next_request_at_once_and_loses_none_in_flight
             == metric(before, "specdec_requests_total", outcome="error"))
     # The server keeps serving: the next request is admitted.
     wait_for_in_flight(server, 0, timeout=30)
+    assert complete(server, "def k():", max_tokens=2).completion_tokens == 2
+
+
+# The bound for the burst test, and the burst: three times the bound, sent at once.
+BURST_BOUND = 4
+BURST = 12
+
+
+def burst(server, prompts: list[str]) -> list[tuple[str, object, float]]:
+    """Every prompt as a streamed request of TOKENS tokens, all released at
+    once; per request (outcome, completion or error, seconds to its answer)."""
+    gate = threading.Barrier(len(prompts))
+    outcomes: list = [None] * len(prompts)
+
+    def run(index: int, prompt: str) -> None:
+        inputs = build_inputs(prompt, TOKENS, **FIXED_WINDOW) + [
+            tensor("min_length", np.array([TOKENS], np.int32), "INT32")]
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            gate.wait()
+            sent = time.monotonic()
+            try:
+                answer = stream_completion(client, inputs, timeout=900, headers=grpc_headers(server.api_key))
+                outcomes[index] = ("served", answer, time.monotonic() - sent)
+            except RequestFailed as failed:
+                outcomes[index] = (failed.kind, failed, time.monotonic() - sent)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=900)
+    return outcomes
+
+
+def test_a_burst_of_three_times_the_bound_gets_the_bound_served_and_the_rest_refused_at_once(triton_server):
+    """max_inflight_requests set to 4 on the running server (a config load
+    through the model-repository API, as an operator may change it), then 12
+    requests at once: 4 complete in full, 8 are refused before any of those
+    ends, naming the setting; nothing is lost and the bound comes back."""
+    server = triton_server
+    original = triton_admin.config(server.http_url, "coordinator", server.admin_key, timeout=60)
+    bounded = copy.deepcopy(original)
+    bounded["parameters"]["max_inflight_requests"] = {"string_value": str(BURST_BOUND)}
+    wait_for_in_flight(server, 0, timeout=120)
+    triton_admin.load_config(server.http_url, "coordinator", bounded, server.admin_key, timeout=300)
+    try:
+        assert metric(metrics_text(server), "specdec_max_inflight_requests") == BURST_BOUND
+        assert complete(server, "def k():", max_tokens=2).completion_tokens == 2  # the new instance's first call
+        before = metrics_text(server)
+        outcomes = burst(server, humaneval_prompts(*range(BURST)))
+        after = metrics_text(server)
+    finally:
+        triton_admin.load_config(server.http_url, "coordinator", original, server.admin_key, timeout=300)
+
+    assert all(outcomes), "a request of the burst never answered"
+    served = [(answer, seconds) for kind, answer, seconds in outcomes if kind == "served"]
+    refused = [(error, seconds) for kind, error, seconds in outcomes if kind != "served"]
+    print(f"\nburst of {BURST} at bound {BURST_BOUND}: {len(served)} served in "
+          f"{min(s for _, s in served):.1f}-{max(s for _, s in served):.1f} s, {len(refused)} refused in "
+          f"{max(s for _, s in refused):.2f} s at most")
+    assert len(served) == BURST_BOUND and len(refused) == BURST - BURST_BOUND, [o[0] for o in outcomes]
+    for error, _ in refused:
+        assert error.kind == "server busy" and f"{BURST_BOUND} requests are in flight" in error.detail, error
+        assert "max_inflight_requests" in error.detail, error
+    slowest_refusal = max(seconds for _, seconds in refused)
+    assert slowest_refusal < 10, "refused at once, not after waiting for a slot"
+    assert slowest_refusal < min(seconds for _, seconds in served), "a refusal came after a slot was freed"
+    assert all(1 <= answer.completion_tokens <= TOKENS and answer.text for answer, _ in served), served
+    assert metric(after, "specdec_refused_requests_total") - metric(before, "specdec_refused_requests_total") == 8
+    assert (metric(after, "specdec_requests_total", outcome="success")
+            - metric(before, "specdec_requests_total", outcome="success")) == BURST_BOUND
+    assert (metric(after, "specdec_requests_total", outcome="error")
+            == metric(before, "specdec_requests_total", outcome="error"))
+    # The repository's bound is back, and the server serves.
+    assert metric(metrics_text(server), "specdec_max_inflight_requests") == 8
     assert complete(server, "def k():", max_tokens=2).completion_tokens == 2
