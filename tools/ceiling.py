@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.policy.costmodel import expected_tokens_per_round
+from coordinator.policy.expectation import expected_tokens_per_round
 
 
 @dataclass(frozen=True)

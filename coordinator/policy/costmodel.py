@@ -32,8 +32,11 @@ the draft model for a forward per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
+from coordinator.policy.batchcost import BatchForecaster, Forecast
+from coordinator.policy.expectation import expected_tokens_per_round
 from coordinator.rounds import Round
 
 # Before anything is measured: a draft step costs its drafter's prior
@@ -74,16 +77,6 @@ def load_label(bucket: int) -> str:
         return f"{low}+"
     high = LOAD_BUCKETS[bucket]
     return str(high) if low == high else f"{low}-{high}"
-
-
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """E(K): tokens a round of K drafts emits (accepted prefix + 1)."""
-    if k <= 0:
-        return 1.0
-    alpha = min(max(alpha, 0.0), 1.0)
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float) -> float:
@@ -180,6 +173,9 @@ class CostModel:
     accepted: dict[str, MovingAverage] = field(default_factory=dict)
     trials: dict[str, MovingAverage] = field(default_factory=dict)
     streams: int = 0  # requests decoding now (the coordinator counts them)
+    # The engines' forward costs as functions of rows, across loads: what prices a
+    # load that has not been measured (coordinator/policy/batchcost.py).
+    batch: BatchForecaster = field(default_factory=BatchForecaster.empty)
 
     def cell(self, context: int = 0, streams: int | None = None) -> Timings:
         key = (context_bucket(context), load_bucket(self.streams if streams is None else streams))
@@ -190,17 +186,27 @@ class CostModel:
     def observe(self, round_: Round) -> None:
         """Learn from one round's report: its cost samples (in the cell of its
         context and the current load) and, for a speculative round, its drafter's acceptance."""
+        streams = max(1, self.streams)
         if round_.speculative:
             if round_.draft_sample is not None:
                 self.observe_draft(round_.drafted, round_.draft_sample, round_.context, drafter=round_.drafter)
+                if round_.drafter == DRAFT_MODEL:  # one draft forward per drafted token, a row per stream
+                    self.batch.observe_draft(streams, round_.draft_sample / round_.drafted)
             if round_.target_sample is not None:
                 self.observe_verify(round_.drafted, round_.target_sample, round_.context)
+                self.batch.observe_target(streams * (round_.drafted + 1), round_.target_sample)
             self.observe_acceptance(round_.accepted, round_.rejected, round_.drafter)
             for drafter, accepted, rejected in round_.alternatives:
                 if accepted or rejected:
                     self.observe_acceptance(accepted, rejected, drafter)
         elif round_.target_sample is not None and round_.tokens:
             self.observe_plain(round_.target_sample / len(round_.tokens), round_.context)
+            self.batch.observe_target(streams, round_.target_sample / len(round_.tokens))
+
+    def forecast(self, streams: int, prior_acceptance: float, max_window: int) -> Forecast | None:
+        """What a batch of ``streams`` streams would serve plain and drafting with the draft
+        model at its server-wide acceptance (``prior_acceptance`` before any is measured)."""
+        return self.batch.forecast(streams, self.server_acceptance(prior_acceptance), max_window)
 
     def observe_acceptance(self, accepted: int, rejected: bool, drafter: str = DRAFT_MODEL) -> None:
         self.accepted.setdefault(drafter, MovingAverage()).add(accepted)

@@ -21,7 +21,11 @@ regimes found plain faster: what speculation gains shrinks as the batch grows
 verification rows and draft calls take compute the others need), so the first
 epochs at the higher load are not spent re-learning the loss; that inherited
 verdict counts as one lost try, so speculation is first explored there after
-twice ``explore_every`` epochs. An epoch's clock stops while a prompt's
+twice ``explore_every`` epochs. Before either, a load with nothing measured is
+priced by the batch forecast (coordinator/policy/batchcost.py: the engines'
+forward costs as functions of rows, fitted at the loads seen so far), so a
+burst at a new load starts in the regime predicted faster; a forecast of
+plain counts as a lost try too, and the epochs then correct the forecast. An epoch's clock stops while a prompt's
 prefill runs (from a request's arrival to its first token): a prefill decodes
 nothing whatever the regime, so counted it would decide by which epochs the
 arrivals land in. Static schedules such as TensorRT-LLM's
@@ -36,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from coordinator.policy.batchcost import Forecast
 from coordinator.policy.costmodel import MovingAverage, load_bucket, load_label
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,8 @@ class LoadGovernor:
     explore_every: int = 10
     max_explore_every: int = 80
     clock: Callable[[], float] = time.monotonic
+    # What a batch of N streams is predicted to serve in each regime (None: not yet priced).
+    forecast: Callable[[int], Forecast | None] | None = None
     rates: dict[tuple[int, str], MovingAverage] = field(default_factory=dict)
     regimes: dict[int, str] = field(default_factory=dict)  # the current regime per load bucket
     _since_explore: dict[int, int] = field(default_factory=dict)
@@ -63,11 +70,14 @@ class LoadGovernor:
     _tokens: float = 0.0
 
     def speculation_allowed(self, streams: int) -> bool:
-        return self._regime(load_bucket(streams)) == SPECULATE
+        return self._regime(load_bucket(streams), streams) == SPECULATE
 
-    def _regime(self, bucket: int) -> str:
+    def _regime(self, bucket: int, streams: int) -> str:
         if bucket in self.regimes:
             return self.regimes[bucket]
+        forecast = self._forecast(streams)
+        if forecast is not None:
+            return forecast.faster
         # the verdict of the nearest lower load that measured both regimes (one that
         # only inherited its plain start has no verdict of its own)
         for lower in range(bucket - 1, -1, -1):
@@ -75,6 +85,9 @@ class LoadGovernor:
             if verdict is not None:
                 return verdict
         return SPECULATE
+
+    def _forecast(self, streams: int) -> Forecast | None:
+        return self.forecast(streams) if self.forecast is not None and streams > 1 else None
 
     def _measured_faster(self, bucket: int) -> str | None:
         plain, speculate = self.rates.get((bucket, PLAIN)), self.rates.get((bucket, SPECULATE))
@@ -122,8 +135,8 @@ class LoadGovernor:
         if elapsed < self.epoch_seconds:
             return
         if bucket not in self.regimes:
-            self.regimes[bucket] = self._regime(bucket)
-            if self.regimes[bucket] == PLAIN:  # inherited: speculation waits for its turn to explore
+            self.regimes[bucket] = self._regime(bucket, streams)
+            if self.regimes[bucket] == PLAIN:  # inherited or forecast: speculation waits for its turn to explore
                 self._since_explore[bucket] = 0
                 self._explore_interval[bucket] = self._longer_interval(bucket)
         regime = self.regimes[bucket]
@@ -151,8 +164,13 @@ class LoadGovernor:
         """What a request held back at ``streams`` streams is told (its fallback_reason)."""
         bucket = load_bucket(streams)
         plain, speculate = self.rate(streams, PLAIN), self.rate(streams, SPECULATE)
+        forecast = self._forecast(streams)
         if plain is not None and speculate is not None:
             measured = f"plain decoding measured {plain:.2f} tokens/s against speculation's {speculate:.2f}"
+        elif forecast is not None:
+            measured = (f"the engines' forward costs predict plain decoding {forecast.plain:.2f} tokens/s "
+                        f"against speculation's {forecast.speculative:.2f} at {forecast.streams} streams "
+                        f"(not measured at this load yet)")
         else:
             measured = "plain decoding measured faster at a lower load"
         return f"the load governor holds speculation back at {load_label(bucket)} streams: {measured}"

@@ -15,6 +15,7 @@ from coordinator.settings import MAX_SPECULATION_WINDOW
 from coordinator.policy.costmodel import (CONTEXT_BUCKETS, LOAD_BUCKETS, CostModel, context_bucket, context_label, load_bucket, load_label)
 from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
+from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
 from coordinator.policy.speculation import Mode
 from coordinator.rounds import Round
 
@@ -139,6 +140,23 @@ LOAD_REGIME = {
                   "faster there", [("load", load_label(bucket))])
     for bucket in range(len(LOAD_BUCKETS) + 1)
 }
+# The batch forecast beside what the governor measured, at the current load: a
+# wrong forecast shows as a gap between the two (coordinator/policy/batchcost.py).
+FORECAST_RATE = {
+    regime: _spec("specdec_forecast_tokens_per_second", GAUGE,
+                  "Tokens per second the whole batch is predicted to emit at the current load, by regime, "
+                  "from the engines' forward costs", [("regime", regime)])
+    for regime in (PLAIN, SPECULATE)
+}
+MEASURED_RATE = {
+    regime: _spec("specdec_measured_tokens_per_second", GAUGE,
+                  "Tokens per second the whole batch emitted at the current load, by regime, averaged over "
+                  "the load governor's epochs (0 until measured there)", [("regime", regime)])
+    for regime in (PLAIN, SPECULATE)
+}
+FORECAST_STEP = _spec("specdec_forecast_plain_step_seconds", GAUGE,
+                      "Predicted seconds of one plain target forward of the current batch "
+                      "(measured: specdec_plain_step_seconds)")
 ACCEPTED_PER_ROUND = _spec(
     "specdec_accepted_tokens_per_round",
     HISTOGRAM,
@@ -188,6 +206,9 @@ FIXED_SPECS = (
     MAX_INFLIGHT,
     REFUSED,
     *LOAD_REGIME.values(),
+    *FORECAST_RATE.values(),
+    *MEASURED_RATE.values(),
+    FORECAST_STEP,
     ACCEPTED_PER_ROUND,
     *TTFT_BY_ARM.values(),
     *ITL_BY_ARM.values(),
@@ -210,11 +231,13 @@ class MetricsRecorder:
     """Server-wide metrics; one ``RequestMetrics`` per request feeds it."""
 
     def __init__(self, make: Callable[[MetricSpec], Instrument], clock: Callable[[], float] = time.monotonic,
-                 costs: CostModel | None = None):
-        """``costs``: the server-wide cost model whose estimates the gauges show."""
+                 costs: CostModel | None = None, governor: LoadGovernor | None = None):
+        """``costs``: the server-wide cost model whose estimates the gauges show;
+        ``governor``: the load governor whose forecast and measurements they show."""
         self.instruments = {spec: make(spec) for spec in all_specs()}
         self.clock = clock
         self.costs = costs if costs is not None else CostModel()
+        self.governor = governor
         self._fallback: set[int] = set()
 
     def _get(self, spec: MetricSpec) -> Instrument:
@@ -257,6 +280,8 @@ class MetricsRecorder:
         get(STREAMS).set(costs.streams)
         if round_.held_back is not None:
             get(LOAD_REGIME[load_bucket(costs.streams)]).set(0 if round_.held_back else 1)
+        if self.governor is not None:
+            self._load_rates(costs.streams)
         get(WINDOW).set(round_.drafted)
         if emitted:
             get(EMITTED_TOKENS).increment(emitted)
@@ -264,6 +289,17 @@ class MetricsRecorder:
             request.draft_failed = True
             get(DRAFT_FAILURES).increment(1)
         self._set_fallback(request, round_.mode in (Mode.FALLBACK, Mode.DRAFT_FAILED))
+
+    def _load_rates(self, streams: int) -> None:
+        """The batch forecast and the governor's measurement at ``streams`` streams."""
+        get, governor = self._get, self.governor
+        forecast = governor.forecast(max(1, streams)) if governor.forecast is not None else None
+        if forecast is not None:
+            get(FORECAST_RATE[PLAIN]).set(forecast.plain)
+            get(FORECAST_RATE[SPECULATE]).set(forecast.speculative)
+            get(FORECAST_STEP).set(forecast.plain_step)
+        for regime in (PLAIN, SPECULATE):
+            get(MEASURED_RATE[regime]).set(governor.rate(streams, regime) or 0.0)
 
     def _set_fallback(self, request: RequestMetrics, active: bool) -> None:
         (self._fallback.add if active else self._fallback.discard)(id(request))

@@ -306,9 +306,12 @@ class TritonPythonModel:
         self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled)
         self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input, decoupled)
         self.costs = CostModel()  # server-wide engine timings and acceptance
-        self.governor = LoadGovernor()  # server-wide: does speculation pay at this load
+        window, prior = max(1, self.settings.speculation_window), self.settings.policy.prior_acceptance
+        # server-wide: does speculation pay at this load (priced by the forecast until measured)
+        self.governor = LoadGovernor(forecast=lambda streams: self.costs.forecast(streams, prior, window))
         families: dict[str, object] = {}
-        self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec), costs=self.costs)
+        self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec), costs=self.costs,
+                                       governor=self.governor)
         self._metric_families = families  # keep the families alive as long as the model
         self.admission = Admission(self.settings.max_inflight_requests)
         self.metrics.admission(0, self.admission.limit)

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from coordinator.policy.costmodel import (PREFILL_MIN_SAMPLES, PRIOR_DRAFT_COST, PRIOR_VERIFY_COST, CostModel, MovingAverage, acceptance_from_rounds, expected_tokens_per_round, predicted_speedup)
+from coordinator.policy.costmodel import (PREFILL_MIN_SAMPLES, PRIOR_DRAFT_COST, PRIOR_VERIFY_COST, CostModel, MovingAverage, acceptance_from_rounds, predicted_speedup)
+from coordinator.policy.expectation import expected_tokens_per_round
 
 
 def test_expected_tokens_per_round_matches_the_geometric_series():

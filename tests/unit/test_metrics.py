@@ -5,6 +5,7 @@ import pytest
 from coordinator.drafters.registry import DRAFT_MODEL, PROMPT_LOOKUP
 from coordinator.rounds import Round
 from coordinator.response.metrics import (ACCEPTED_AT, ACCEPTED_PER_ROUND, ACCEPTED_TOKENS, DRAFTED_AT, all_specs, DRAFT_FAILURES, DRAFT_TOKENS, EMITTED_TOKENS, FALLBACK_ACTIVE, INTER_TOKEN_LATENCY, PLAIN_ROUNDS, REQUESTS, SPECULATIVE_ROUNDS, TIME_TO_FIRST_TOKEN, WINDOW, MetricsRecorder)
+from coordinator.policy.costmodel import MovingAverage
 from coordinator.policy.speculation import Mode
 
 
@@ -139,3 +140,25 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
     used = {name for r in rules for name in re.findall(r"specdec_[a-z_:]+", r["expr"])}
     assert used, "the rules use specdec_* metrics"
     assert used <= exported | recorded, used - exported - recorded
+
+
+def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_side():
+    from coordinator.policy.batchcost import BatchForecaster
+    from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
+    from coordinator.response.metrics import FORECAST_RATE, FORECAST_STEP, MEASURED_RATE
+
+    batch = BatchForecaster.empty()
+    for rows in (1, 5):
+        batch.observe_target(rows, 0.1 + 0.02 * rows)
+        batch.observe_draft(rows, 0.02)
+    governor = LoadGovernor(forecast=lambda streams: batch.forecast(streams, 0.7, 4))
+    governor.rates[(2, PLAIN)] = MovingAverage(9.0, 2)  # load bucket 2: 3-4 streams
+    made = {}
+    metrics = MetricsRecorder(lambda spec: made.setdefault(spec, Fake()), Clock(), governor=governor)
+    metrics.costs.streams = 4
+    metrics.start_request().round(Round([1], drafted=0, accepted=0, finished=False))
+    forecast = batch.forecast(4, 0.7, 4)
+    assert made[FORECAST_RATE[PLAIN]].value == pytest.approx(4 / (0.1 + 0.02 * 4)) == forecast.plain
+    assert made[FORECAST_RATE[SPECULATE]].value == forecast.speculative > 0
+    assert made[FORECAST_STEP].value == pytest.approx(0.18)
+    assert made[MEASURED_RATE[PLAIN]].value == 9.0 and made[MEASURED_RATE[SPECULATE]].value == 0.0

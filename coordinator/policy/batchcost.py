@@ -1,0 +1,155 @@
+"""What the whole batch serves at a load, predicted from the engines' forward costs.
+
+A request's cost model (costmodel.py) prices its own rounds, and the load
+governor (governor.py) measures what the batch serves by trying each regime.
+Neither can price a load that has not been seen: a burst, a new level of
+traffic, a restarted or freshly scaled replica. This forecast can. It models
+each engine's forward as
+
+    seconds(rows) = fixed + per_row * rows
+
+fitted by least squares to the forwards timed so far at every load (``rows``:
+the rows the batch carried, the streams times the rows each one sent), and
+prices a batch of N streams at per-token acceptance a, for the best window K:
+
+    plain:        N / T(N)                                tokens per second
+    speculative:  N E(a, K) / (K D(N) + T(N (K + 1)))
+
+where T is the target's forward, D the draft's, and E(a, K) the tokens a
+round emits (expectation.py). The engines take turns on
+the same cores (the same GPU), so a round costs the draft's K forwards plus
+the target's one. Memory-bound forwards have a small ``per_row`` and
+speculation's extra rows ride along; compute-bound ones (a CPU, a large
+batch on a GPU) pay for every row, and the forecast says when that makes
+plain decoding the faster regime.
+
+The rows of a batch are taken as homogeneous (every stream plain, or every
+stream drafting the same window), which is what the governor's epochs run.
+The draft's fit needs two row counts; with one, its forward is taken to
+grow with rows as the target's does. A forecast is a prediction: the
+metrics show it beside what the governor measures, and the governor's
+trial epochs correct it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.policy.expectation import expected_tokens_per_round
+
+# Weight that every earlier sample keeps when a new one arrives: the fit follows
+# the last few hundred forwards, so it tracks a machine whose speed changes.
+DECAY = 0.995
+# Row counts closer than this (in weighted spread) cannot tell a slope from noise.
+MIN_ROW_SPREAD = 0.25
+
+
+@dataclass
+class ForwardFit:
+    """seconds = fixed + per_row * rows, by recency-weighted least squares."""
+
+    weight: float = 0.0
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows_squared: float = 0.0
+    rows_seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, rows: float, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        d = DECAY
+        self.weight = d * self.weight + 1.0
+        self.rows = d * self.rows + rows
+        self.seconds = d * self.seconds + seconds
+        self.rows_squared = d * self.rows_squared + rows * rows
+        self.rows_seconds = d * self.rows_seconds + rows * seconds
+        self.samples += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_row); None before two row counts far enough apart were seen."""
+        if self.weight <= 0:
+            return None
+        mean_rows = self.rows / self.weight
+        mean_seconds = self.seconds / self.weight
+        spread = self.rows_squared / self.weight - mean_rows * mean_rows
+        if spread < MIN_ROW_SPREAD:
+            return None
+        per_row = (self.rows_seconds / self.weight - mean_rows * mean_seconds) / spread
+        per_row = max(per_row, 0.0)  # more rows never make a forward faster; noise can say so
+        fixed = mean_seconds - per_row * mean_rows
+        if fixed < 0:  # through the origin instead: all the time is per row
+            fixed, per_row = 0.0, self.rows_seconds / self.rows_squared
+        return fixed, per_row
+
+    def mean(self) -> tuple[float, float] | None:
+        """(rows, seconds) averaged over the samples; None before any."""
+        if self.weight <= 0:
+            return None
+        return self.rows / self.weight, self.seconds / self.weight
+
+    def predict(self, rows: float) -> float | None:
+        line = self.line()
+        return None if line is None else line[0] + line[1] * rows
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Predicted tokens per second the whole batch emits in each regime."""
+
+    streams: int
+    plain: float
+    speculative: float
+    window: int  # the window the speculative figure drafts (0: none beats plain)
+    plain_step: float  # predicted seconds of one plain forward of the batch
+
+    @property
+    def faster(self) -> str:
+        return "speculate" if self.speculative > self.plain else "plain"
+
+
+@dataclass
+class BatchForecaster:
+    """The engines' forward fits, fed by the cost model, and the batch forecast."""
+
+    target: ForwardFit
+    draft: ForwardFit
+
+    @classmethod
+    def empty(cls) -> BatchForecaster:
+        return cls(ForwardFit(), ForwardFit())
+
+    def observe_target(self, rows: float, seconds: float) -> None:
+        self.target.add(rows, seconds)
+
+    def observe_draft(self, rows: float, seconds: float) -> None:
+        self.draft.add(rows, seconds)
+
+    def draft_seconds(self, rows: float) -> float | None:
+        predicted = self.draft.predict(rows)
+        if predicted is not None:
+            return predicted
+        measured = self.draft.mean()
+        if measured is None:
+            return None
+        # One row count measured: grow it with rows as the target's forward grows.
+        at_measured, at_rows = self.target.predict(measured[0]), self.target.predict(rows)
+        if at_measured is None or at_rows is None or at_measured <= 0:
+            return None
+        return measured[1] * at_rows / at_measured
+
+    def forecast(self, streams: int, acceptance: float, max_window: int) -> Forecast | None:
+        """The batch of ``streams`` streams at per-token ``acceptance``, windows 1..max_window;
+        None while either engine's forward cost is unknown."""
+        streams = max(1, streams)
+        plain_step = self.target.predict(streams)
+        draft_step = self.draft_seconds(streams)
+        if plain_step is None or draft_step is None or plain_step <= 0:
+            return None
+        best_window, best = 0, 0.0
+        for k in range(1, max_window + 1):
+            verify = self.target.predict(streams * (k + 1))
+            rate = streams * expected_tokens_per_round(acceptance, k) / (k * draft_step + verify)
+            if rate > best:
+                best_window, best = k, rate
+        return Forecast(streams, streams / plain_step, best, best_window, plain_step)

@@ -1,0 +1,147 @@
+"""The batch forecast (coordinator/policy/batchcost.py): forward fits from
+timed calls, the goodput of a whole batch per regime, and its use where the
+load governor has measured nothing."""
+
+import math
+
+import pytest
+
+from coordinator.policy.batchcost import BatchForecaster, ForwardFit
+from coordinator.policy.costmodel import CostModel
+from coordinator.policy.expectation import expected_tokens_per_round
+from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
+from coordinator.rounds import Round
+
+
+def line(fixed, per_row):
+    return lambda rows: fixed + per_row * rows
+
+
+def fitted(forward, rows_seen) -> ForwardFit:
+    fit = ForwardFit()
+    for rows in rows_seen:
+        fit.add(rows, forward(rows))
+    return fit
+
+
+def test_a_fit_recovers_a_forwards_fixed_and_per_row_cost():
+    fit = fitted(line(0.150, 0.030), [1, 5, 1, 5, 2, 10])
+    fixed, per_row = fit.line()
+    assert math.isclose(fixed, 0.150, rel_tol=1e-9) and math.isclose(per_row, 0.030, rel_tol=1e-9)
+    assert math.isclose(fit.predict(32), 0.150 + 0.030 * 32, rel_tol=1e-9)
+
+
+def test_one_row_count_is_no_line_and_noise_never_gives_a_negative_slope_or_fixed_cost():
+    assert fitted(line(0.1, 0.01), [3, 3, 3]).line() is None
+    assert ForwardFit().line() is None and ForwardFit().predict(4) is None
+    falling = ForwardFit()
+    for rows, seconds in [(1, 0.20), (4, 0.19), (1, 0.21), (4, 0.18)]:
+        falling.add(rows, seconds)
+    fixed, per_row = falling.line()
+    assert per_row == 0.0 and math.isclose(fixed, 0.195, rel_tol=1e-3)  # the recency-weighted mean
+    steep = fitted(line(-0.5, 0.3), [2, 4, 8])  # a line through negative time at 0 rows
+    fixed, per_row = steep.line()
+    assert fixed == 0.0 and per_row > 0
+
+
+def test_recent_forwards_outweigh_old_ones():
+    fit = fitted(line(0.2, 0.05), [1, 4] * 50)
+    for _ in range(400):  # the machine got twice as fast
+        fit.add(1, 0.125)
+        fit.add(4, 0.2)
+    assert abs(fit.predict(1) - 0.125) / 0.125 < 0.05
+
+
+def forecaster(target, draft, rows_seen=(1, 5)) -> BatchForecaster:
+    batch = BatchForecaster.empty()
+    for rows in rows_seen:
+        batch.observe_target(rows, target(rows))
+        batch.observe_draft(rows, draft(rows))
+    return batch
+
+
+def test_the_forecast_is_the_batch_goodput_of_each_regime_at_the_best_window():
+    target, draft = line(0.150, 0.030), line(0.030, 0.002)
+    forecast = forecaster(target, draft).forecast(4, acceptance=0.8, max_window=6)
+    assert math.isclose(forecast.plain, 4 / target(4)) and math.isclose(forecast.plain_step, target(4))
+    rates = {k: 4 * expected_tokens_per_round(0.8, k) / (k * draft(4) + target(4 * (k + 1))) for k in range(1, 7)}
+    best = max(rates, key=rates.get)
+    assert forecast.window == best and math.isclose(forecast.speculative, rates[best])
+
+
+def test_compute_bound_forwards_make_plain_faster_at_a_load_where_memory_bound_ones_keep_speculation():
+    draft = line(0.030, 0.001)
+    compute_bound = forecaster(line(0.100, 0.050), draft).forecast(8, acceptance=0.7, max_window=8)
+    memory_bound = forecaster(line(0.150, 0.001), draft).forecast(8, acceptance=0.7, max_window=8)
+    assert compute_bound.faster == PLAIN and memory_bound.faster == SPECULATE
+    # one stream on the compute-bound engines: verification rows still pay there
+    assert forecaster(line(0.100, 0.050), draft).forecast(1, 0.7, 8).faster == SPECULATE
+
+
+def test_a_draft_measured_at_one_row_count_grows_with_rows_as_the_target_does():
+    batch = BatchForecaster.empty()
+    for rows in (1, 5):
+        batch.observe_target(rows, 0.1 + 0.02 * rows)
+    batch.observe_draft(1, 0.03)
+    assert math.isclose(batch.draft_seconds(1), 0.03)
+    assert math.isclose(batch.draft_seconds(4), 0.03 * (0.1 + 0.02 * 4) / (0.1 + 0.02 * 1))
+
+
+def test_nothing_is_forecast_until_both_engines_were_timed():
+    batch = BatchForecaster.empty()
+    assert batch.forecast(2, 0.7, 4) is None
+    batch.observe_target(1, 0.1)
+    batch.observe_target(4, 0.2)
+    assert batch.forecast(2, 0.7, 4) is None  # no draft forward yet
+    batch.observe_draft(1, 0.02)
+    assert batch.forecast(2, 0.7, 4) is not None
+
+
+def test_the_cost_model_feeds_the_fits_with_the_rows_its_rounds_carried():
+    costs = CostModel(streams=2)
+    costs.observe(Round(tokens=[1, 2, 3], drafted=0, accepted=0, finished=False, target_sample=0.6))
+    costs.observe(Round(tokens=[1, 2, 3], drafted=3, accepted=2, finished=False, drafter="draft_model",
+                        draft_sample=0.09, target_sample=0.5))
+    # prompt lookup's drafts are a search, not draft forwards: only its verification is a sample
+    costs.observe(Round(tokens=[1], drafted=2, accepted=0, finished=False, drafter="prompt_lookup",
+                        draft_sample=0.001, target_sample=0.4))
+    target, draft = costs.batch.target, costs.batch.draft
+    assert target.samples == 3 and draft.samples == 1
+    assert draft.mean() == pytest.approx((2, 0.03))  # 2 streams, one draft forward per drafted token
+    # plain: 2 rows at 0.2 s a forward; verification: 2 streams of 4 rows, and of 3 rows
+    fixed, per_row = target.line()
+    assert fixed + per_row * 2 == pytest.approx(0.2, abs=0.02) and per_row > 0
+
+
+def test_a_load_never_measured_starts_in_the_regime_the_forecast_prices_faster():
+    def governor_over(target):
+        batch = forecaster(target, line(0.030, 0.001))
+        return LoadGovernor(forecast=lambda streams: batch.forecast(streams, 0.7, 8))
+    compute_bound, memory_bound = governor_over(line(0.100, 0.050)), governor_over(line(0.150, 0.001))
+    assert not compute_bound.speculation_allowed(8) and memory_bound.speculation_allowed(8)
+    assert compute_bound.speculation_allowed(1)  # one stream is never governed
+    reason = compute_bound.why_plain(8)
+    assert "forward costs predict plain decoding" in reason and "not measured at this load yet" in reason, reason
+
+
+def test_measured_epochs_overrule_the_forecast():
+    clock = [0.0]
+    batch = forecaster(line(0.100, 0.050), line(0.030, 0.001))
+    governor = LoadGovernor(epoch_seconds=10.0, explore_every=2, max_explore_every=2, clock=lambda: clock[0],
+                            forecast=lambda streams: batch.forecast(streams, 0.7, 8))
+    governor.emitted(0, 8)
+    seen = []
+    for _ in range(12):  # speculation in fact serves more here: the forecast was wrong
+        regime = SPECULATE if governor.speculation_allowed(8) else PLAIN
+        seen.append(regime)
+        for _ in range(10):
+            clock[0] += 1.0
+            governor.emitted({SPECULATE: 30.0, PLAIN: 10.0}[regime], 8)
+    assert seen[0] == PLAIN, seen  # the forecast's start
+    # speculation is tried as it would be after a lost try, wins its two epochs,
+    # and from then on only single epochs of plain decoding re-check the verdict
+    first = seen.index(SPECULATE)
+    assert first <= 4 and seen[first:first + 2] == [SPECULATE] * 2, seen
+    after = seen[first:]
+    assert not any(a == b == PLAIN for a, b in zip(after, after[1:])), seen
+    assert seen[first:].count(SPECULATE) > 2 * seen[first:].count(PLAIN), seen
