@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, quantize_linear_layers
-from cpu_engine.rows import RowShape, measure_row_shape
+from cpu_engine.row_blocks import block_linear_layers, shaping
+from cpu_engine.rows import MAX_BLOCK_ROWS, RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,7 +159,8 @@ class CausalLMEngine:
         self.model.eval()
         self.quantized_layers = quantize_linear_layers(self.model, weight_quantization)
         # The float linear layers' kernel, measured on this machine (cpu_engine/packed.py).
-        self.linear_kernel = choose_linear_kernel(self.model, max_num_tokens, linear_kernel)
+        probed = min(max_num_tokens, MAX_BLOCK_ROWS)  # the most rows one kernel call is measured at
+        self.linear_kernel = choose_linear_kernel(self.model, probed, linear_kernel)
         self.vocab_size = int(self.model.config.vocab_size)
         self.layers = int(self.model.config.num_hidden_layers)
         self.max_context_tokens = max_context_tokens
@@ -171,10 +173,16 @@ class CausalLMEngine:
         # proposes: its invariance buys only a seeded sampled request's repeatable
         # text, so it keeps the shape only in forwards that carry a sampled call's rows.
         self.invariance = invariance_mode(row_invariant)
-        fixed_rows = max(attention.BLOCK_ROWS, max_draft_len + 1)
-        self.row_shape = (RowShape(floor=1, budget=max_num_tokens) if self.invariance == "never"
-                          else measure_row_shape(self.model, max_num_tokens, fixed_rows))
-        self.scheduler = Scheduler(self.row_shape.capacity)
+        fixed_rows = max(attention.BLOCK_ROWS, min(max_draft_len + 1, probed))
+        measured = (RowShape(floor=1, budget=max_num_tokens) if self.invariance == "never"
+                    else measure_row_shape(self.model, probed, fixed_rows))
+        # A forward carries up to max_num_tokens rows; its linear layers run in
+        # blocks of the measured shape (cpu_engine/row_blocks.py).
+        self.row_shape = replace(measured, forward_rows=max_num_tokens)
+        block_linear_layers(self.model)
+        # Next to running streams a prompt's prefill takes one block a forward,
+        # so it delays their next token by about one block's cost.
+        self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block)
         self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
         self.last_forward_rows = 0
         self.forwards = 0  # forward passes run so far
@@ -294,16 +302,16 @@ class CausalLMEngine:
         self.last_forward = (len(works), real)
         self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
-        with attention.packed(segments):
+        with attention.packed(segments), shaping(self.row_shape if shaped else None):
             hidden = self.model.model(
                 input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
                 attention_mask=_NO_MASKS, use_cache=False,
             ).last_hidden_state[0]
-        logits = None
-        if wanted:
-            # the output layer is one more linear: the same row rule applies
-            picked = wanted + [wanted[0]] * ((self.row_shape.rows(len(wanted)) if shaped else 0) - len(wanted))
-            logits = self.model.lm_head(hidden[picked]).float().numpy()
+            logits = None
+            if wanted:
+                # the output layer is one more linear: the same row rule applies
+                picked = wanted + [wanted[0]] * ((self.row_shape.rows(len(wanted)) if shaped else 0) - len(wanted))
+                logits = self.model.lm_head(hidden[picked]).float().numpy()
         out: list[np.ndarray | None] = []
         row = 0
         for work in works:

@@ -24,11 +24,13 @@ the engine measures which of the two to use (cpu_engine/packed.py).
 Kernels may agree up to some row count and not beyond (a blocked kernel
 whose remainder path starts past it): on an Intel Xeon with AMX, bfloat16,
 the 1.5B target's layers agree from M = 2 up to 32 rows and disagree from 33.
-So the budget is measured too: the configured ``max_num_tokens`` first, then
-halved until a floor works, and the engine's forwards carry at most that many
-rows (prefill chunks included). Only where no budget down to the fallback
-works is every forward padded to one fixed number of rows instead (slower
-where extra rows cost).
+So the budget is measured too: the configured ``max_num_tokens`` (at most
+``MAX_BLOCK_ROWS``) first, then halved until a floor works, and no kernel
+call computes more rows than that: a forward that carries more (a prompt's
+prefill, up to ``max_num_tokens`` rows) runs its linear layers in blocks of
+the budget (cpu_engine/row_blocks.py). Only where no budget down to the
+fallback works is every kernel call padded to one fixed number of rows
+instead (slower where extra rows cost).
 """
 
 from __future__ import annotations
@@ -43,32 +45,62 @@ import torch
 log = logging.getLogger(__name__)
 
 FLOORS = (1, 2, 4, 8)
+# The most rows one kernel call is measured at (and so computes). A forward of
+# more rows runs its linear layers in blocks (cpu_engine/row_blocks.py); this
+# bounds what the start-up measurement costs, not the forward.
+MAX_BLOCK_ROWS = 64
 
 
 @dataclass(frozen=True)
 class RowShape:
-    """The rows of every forward: at least ``floor`` (padded), at most
-    ``budget``; or exactly ``fixed`` when the kernels are not row-invariant."""
+    """The rows of every kernel call: at least ``floor`` (padded), at most
+    ``budget``; or exactly ``fixed`` when the kernels are not row-invariant.
+    A forward may carry up to ``forward_rows`` rows (default: one block):
+    its linear layers then run block by block (cpu_engine/row_blocks.py), so
+    every row still goes through a kernel call of the measured shape."""
 
     floor: int
     budget: int
     fixed: int | None = None
+    forward_rows: int | None = None
+
+    @property
+    def block(self) -> int:
+        """The most rows one kernel call computes."""
+        return self.fixed if self.fixed is not None else self.budget
+
+    @property
+    def least(self) -> int:
+        """The fewest rows one kernel call computes (fewer are padded)."""
+        return self.fixed if self.fixed is not None else self.floor
 
     def rows(self, real: int) -> int:
-        """Rows of a forward that carries ``real`` rows of work."""
+        """Rows of a forward that carries ``real`` rows of work: at least the
+        floor, and a whole number of blocks where every call has one size."""
         if self.fixed is not None:
-            return self.fixed
+            return -(-max(real, 1) // self.fixed) * self.fixed
         return max(real, self.floor)
+
+    def blocks(self, rows: int) -> list[int]:
+        """How a kernel over ``rows`` rows is cut: blocks of at most ``block``
+        rows; a last block under ``least`` rows is computed padded to it."""
+        sizes = [self.block] * (rows // self.block)
+        if rows % self.block:
+            sizes.append(rows % self.block)
+        return sizes
 
     @property
     def capacity(self) -> int:
         """Rows of work one forward may carry."""
-        return self.fixed if self.fixed is not None else self.budget
+        return self.forward_rows or self.block
+
+    def kernel_calls(self) -> str:
+        if self.fixed is not None:
+            return f"every kernel call padded to {self.fixed} rows (kernels not row-invariant here)"
+        return f"kernel calls of {self.floor} to {self.budget} rows (row-invariant from {self.floor} rows)"
 
     def describe(self) -> str:
-        if self.fixed is not None:
-            return f"every forward padded to {self.fixed} rows (kernels not row-invariant here)"
-        return f"forwards of {self.floor} to {self.budget} rows (row-invariant from {self.floor} rows)"
+        return f"forwards of up to {self.capacity} rows, {self.kernel_calls()}"
 
 
 def probe_counts(budget: int) -> list[int]:
@@ -123,7 +155,7 @@ def measure_row_shape(model: torch.nn.Module, budget: int, fallback_rows: int) -
             break
     if shape is None:
         shape = RowShape(floor=fallback_rows, budget=fallback_rows, fixed=fallback_rows)
-    log.info("row shape: %s (budgets tried %s over %d linear shapes in %.1f s, MKL_CBWR=%s)", shape.describe(),
+    log.info("row shape: %s (budgets tried %s over %d linear shapes in %.1f s, MKL_CBWR=%s)", shape.kernel_calls(),
              tried[: tried.index(shape.budget) + 1] if shape.fixed is None else tried, layers,
              time.perf_counter() - started, os.environ.get("MKL_CBWR", "unset"))
     return shape

@@ -4,9 +4,10 @@ carries the decode rows, verification rows and prompt-prefill chunks of
 several sequences, up to a row budget.
 
 A call goes through two phases. Prefill puts the prompt tokens not found in
-the prefix-cache pool into its sequence's cache, in chunks that fill what the
-forward's decode rows leave of the budget, so a long prompt never stalls the
-running streams for more than one forward. Decode then feeds the last input
+the prefix-cache pool into its sequence's cache, in chunks: a whole forward's
+budget when no stream is decoding, and at most ``shared_prefill`` rows next to
+running streams' decode rows, so a long prompt delays each of their tokens by
+about one such chunk's cost and never stalls them. Decode then feeds the last input
 token (with the k drafts of a verification) and, for plain decoding, one new
 token per forward until the call is finished. Decode rows go first; each
 forward takes whole calls in arrival order. Prefill chunks then go shortest
@@ -105,10 +106,11 @@ class Call:
 class Scheduler:
     """Calls waiting for a forward, and the choice of what the next one carries."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, shared_prefill: int | None = None):
         if capacity < 1:
             raise ValueError(f"a forward must carry at least one row, got {capacity}")
         self.capacity = capacity
+        self.shared_prefill = min(capacity, shared_prefill or capacity)
         self.calls: list[Call] = []
 
     def __len__(self) -> int:
@@ -119,9 +121,9 @@ class Scheduler:
 
     def next_forward(self) -> list[Work]:
         """The works of the next forward: decode rows first (whole calls), then
-        prefill chunks, shortest remaining prefill first (ties in arrival order),
-        filling the rest of the budget. A call whose decode rows alone exceed the
-        budget gets a forward of its own."""
+        prefill chunks, shortest remaining prefill first (ties in arrival order):
+        the rest of the budget, or at most ``shared_prefill`` rows next to decode
+        rows. A call whose decode rows alone exceed the budget gets a forward of its own."""
         works: list[Work] = []
         used = 0
         for call in self.calls:
@@ -129,15 +131,18 @@ class Scheduler:
             if rows and (used + rows <= self.capacity or not works):
                 works.append(Work(call, list(call.feed), logits=True))
                 used += rows
+        room = self.capacity - used
+        if works:
+            room = min(room, self.shared_prefill)
         for call in sorted(self.calls, key=lambda call: call.prefill_left):  # stable: ties in arrival order
-            if used >= self.capacity:
+            if room <= 0:
                 break
             left = call.prefill_left
             if left:
-                chunk = min(left, self.capacity - used)
+                chunk = min(left, room)
                 start = call.prefilled
                 works.append(Work(call, [int(t) for t in call.input_ids[start : start + chunk]], logits=False))
-                used += chunk
+                room -= chunk
         return works
 
     def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:

@@ -67,17 +67,15 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
     whether the target serves it alone or in forwards shared with other
     sequences (plain decoding, verifications and prompt prefills of others).
 
-    The engine has the server's dtype, threads and row budget (max_num_tokens),
-    no prefix cache (every call prefills), and one change: max_draft_len. The
-    rows a forward may carry are measured at start-up (cpu_engine/rows.py):
-    max_num_tokens where the kernels are row-invariant from a floor, but where
-    they are not (on an AMX Xeon, bfloat16 over a 64-row budget) every forward
-    is padded to max_draft_len + 1 rows (8 at the engine's default), and this
-    crowd then shared forwards two sequences at most. With max_draft_len =
-    max_num_tokens - 1 a forward carries up to max_num_tokens rows either way,
-    so the scheduler builds the same crowd on every machine; what is tested is
-    what the server relies on, that a row does not depend on what else its
-    forward carries under the row shape the engine measured."""
+    The engine has the server's dtype, threads, max_num_tokens and
+    max_draft_len, and no prefix cache (every call prefills). The rows of one
+    kernel call are measured at start-up (cpu_engine/rows.py) and a forward
+    of more rows (here the first, all four prompts' prefills) runs its linear
+    layers in blocks of that shape (cpu_engine/row_blocks.py): a forward still
+    carries up to max_num_tokens rows, so the scheduler builds the same crowd
+    on every machine; what is tested is what the server relies on, that a row
+    does not depend on what else its forward carries, nor on where the blocks
+    of a large forward cut it."""
     from tokenizers import Tokenizer
 
     from tools.prompts import load_humaneval
@@ -88,7 +86,7 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
     max_num_tokens = int(parameter(served, "max_num_tokens"))
     engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(),
                             num_threads=int(parameter(served, "num_threads")), max_cached_sequences=0,
-                            max_num_tokens=max_num_tokens, max_draft_len=max_num_tokens - 1)
+                            max_num_tokens=max_num_tokens, max_draft_len=int(parameter(served, "max_draft_len")))
     assert engine.row_shape.capacity == max_num_tokens, engine.row_shape.describe()
     tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
     problems = load_humaneval()
@@ -108,6 +106,7 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
         sizes.add(engine.last_forward)
     print(f"crowd forwards (sequences, rows): {sorted(sizes)}; {engine.row_shape.describe()}")
     assert max(sequences for sequences, _ in sizes) >= 3, sorted(sizes)  # the calls did share forwards
+    assert max(rows for _, rows in sizes) > engine.row_shape.block, sorted(sizes)  # and one ran in blocks
     together = engine.result(crowd[0])
     assert together.tokens == alone.tokens and np.array_equal(together.logits, alone.logits)
     verified = engine.result(crowd[2])

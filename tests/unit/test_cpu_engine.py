@@ -367,3 +367,34 @@ def test_a_prompt_sharing_a_preamble_copies_it_and_leaves_the_other_sequence_who
     result, expected = warm.run(following), cold.run(following)
     assert result.reused_tokens == len(first) - 1  # not cropped to the preamble by the other prompt
     assert result.tokens == expected.tokens and np.array_equal(result.logits, expected.logits)
+
+
+def test_a_prompt_prefilled_in_one_forward_of_blocks_equals_one_prefilled_block_by_block_forward(
+        model_dir, monkeypatch):
+    """A forward larger than a kernel call's measured rows runs its linear layers in blocks of
+    that shape (cpu_engine/row_blocks.py): the prompt's logits and the tokens after it are bitwise
+    those of an engine whose forwards hold one block, in fewer forwards."""
+    import cpu_engine.engine as engine_module
+    from cpu_engine.rows import measure_row_shape
+
+    monkeypatch.setattr(engine_module, "measure_row_shape", lambda model, budget, fixed: measure_row_shape(model, 8, 8))
+    prompt = (np.arange(40) * 7 + 3) % 64
+    request = EngineRequest(prompt, 6, return_logits=True)
+    results, forwards = [], []
+    for max_num_tokens in (8, 64):
+        e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=max_num_tokens,
+                           max_cached_sequences=0)
+        assert e.row_shape.block == 8 and e.row_shape.capacity == max_num_tokens
+        results.append(e.run(request))
+        forwards.append(e.forwards)
+    assert results[1].tokens == results[0].tokens and np.array_equal(results[1].logits, results[0].logits)
+    assert forwards == [5 + 6, 1 + 6]  # 39 prompt tokens in 8-row forwards or in one; then a forward a token
+
+
+def test_a_quantized_engine_measures_its_kernel_calls_onto_the_quantized_kernels(model_dir):
+    """Quantized layers switch to the dense weights over more than DENSE_ROWS rows (another
+    rounding): the measured block stays at or below it however many rows a forward may carry,
+    so a sampled call's rows never meet the dense path."""
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=256,
+                       weight_quantization="int4")
+    assert e.row_shape.capacity == 256 and e.row_shape.block <= quantize.DENSE_ROWS, e.row_shape.describe()

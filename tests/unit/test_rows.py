@@ -45,6 +45,16 @@ def test_row_shapes():
     assert "padded to 8" in fixed.describe() and "2 to 64" in shape.describe()
 
 
+def test_a_forward_over_more_rows_than_a_kernel_call_is_cut_into_blocks():
+    shape = RowShape(floor=2, budget=32, forward_rows=512)
+    assert shape.capacity == 512 and "up to 512 rows" in shape.describe()
+    assert shape.blocks(70) == [32, 32, 6] and shape.blocks(33) == [32, 1] and shape.blocks(5) == [5]
+    assert (shape.block, shape.least) == (32, 2)  # the 1-row block is computed padded to 2
+    fixed = RowShape(floor=8, budget=8, fixed=8, forward_rows=64)
+    assert fixed.rows(9) == 16 and fixed.rows(16) == 16 and fixed.blocks(16) == [8, 8]
+    assert (fixed.block, fixed.least, fixed.capacity) == (8, 8, 64)
+
+
 def test_measured_on_a_model_of_linear_layers():
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 16))
     shape = measure_row_shape(model, budget=32, fallback_rows=8)

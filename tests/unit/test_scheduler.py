@@ -122,3 +122,29 @@ def test_a_call_whose_rows_fail_leaves_alone():
 def test_the_budget_must_hold_a_row():
     with pytest.raises(ValueError, match="at least one row"):
         Scheduler(capacity=0)
+
+
+def test_a_prompt_alone_fills_the_forward_and_next_to_streams_takes_one_shared_chunk():
+    scheduler = Scheduler(capacity=64, shared_prefill=8)
+    long_prompt = call(101, new_tokens=2)
+    scheduler.add(long_prompt)
+    works, _ = step(scheduler)
+    assert [len(w.tokens) for w in works] == [64]  # nothing else running: the whole budget
+    stream = call(4, new_tokens=10, reused=3)
+    scheduler.add(stream)
+    works, _ = step(scheduler)
+    # a stream decodes: the prompt gets one shared chunk next to it, so its next token waits little
+    assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (long_prompt, 8)]
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (long_prompt, 8)]
+    assert long_prompt.prefill_left == 100 - 64 - 16
+
+
+def test_decode_rows_over_the_shared_chunk_still_leave_prompts_one_chunk():
+    scheduler = Scheduler(capacity=64, shared_prefill=8)
+    streams = [call(12, new_tokens=5, drafts=tuple(range(1, 9)), reused=11) for _ in range(2)]
+    prompt = call(30)
+    for c in (*streams, prompt):
+        scheduler.add(c)
+    works, _ = step(scheduler)
+    assert [len(w.tokens) for w in works] == [9, 9, 8]  # 18 decode rows, and still a chunk of the prompt
