@@ -47,6 +47,8 @@ from tools.bench import (
 
 PLAIN_GENERATE, ASSISTED, ENGINE = "transformers generate", "transformers assisted", "cpu engine in-process"
 LOOKUP_PEER = "transformers prompt lookup"
+# The time to first token a library user meets: one forward of the target over the whole prompt.
+ONE_FORWARD = "transformers one forward"
 SERVER_MODES = ("plain", "adaptive", "fixed")
 # The server's default drafter runs as "adaptive"; each drafter alone, at one stream:
 DRAFTER_MODES = ("draft_model", "prompt_lookup")
@@ -173,6 +175,8 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
                 progress(f"{measurement.system}, {length}-token prompt {prompt.prompt_id}: "
                          f"{new.numel() / seconds:.2f} tok/s")
         results += [m for m, _ in variants]
+        if prompt_set == HUMANEVAL:
+            results.append(time_one_forward(target, tokenizer, group, length, progress))
     del target, draft
     engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0)
     for length, group in prompts.items():
@@ -187,6 +191,23 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
             measurement.completion_tokens += len(result.tokens)
         results.append(measurement)
     return results
+
+
+def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, progress) -> Measurement:
+    """One forward of ``target`` over each whole prompt (after one untimed forward to warm
+    the kernels), recorded as that prompt's time to first text."""
+    import torch
+
+    measurement = Measurement(ONE_FORWARD, length, 1)
+    with torch.inference_mode():
+        target(tokenizer(group[0].text, return_tensors="pt").input_ids, logits_to_keep=1)
+        for prompt in group:
+            ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+            started = time.perf_counter()
+            target(ids, logits_to_keep=1)
+            measurement.first_text.append(time.perf_counter() - started)
+    progress(f"{ONE_FORWARD}, {length}-token prompts: p50 {measurement.p50_first_text:.2f} s")
+    return measurement
 
 
 # -- the server ------------------------------------------------------------------
@@ -363,6 +384,7 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
         assisted = find(ASSISTED, m.prompt_tokens, 1, m.prompt_set)
         plain = find("server plain", m.prompt_tokens, m.concurrency, m.prompt_set)
         alone = find(m.system, m.prompt_tokens, 1, m.prompt_set)
+        forward = find(ONE_FORWARD, m.prompt_tokens, 1, m.prompt_set)
         rate = m.tokens_per_second
         ratio = (lambda other: rate / other.tokens_per_second
                  if rate and other is not None and other.tokens_per_second else None)
@@ -378,6 +400,9 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
             "first_text_vs_server_plain": (m.p50_first_text / plain.p50_first_text
                                            if plain is not None and m.p50_first_text and plain.p50_first_text
                                            else None),
+            "first_text_vs_one_forward": (m.p50_first_text / forward.p50_first_text
+                                          if m.system.startswith("server") and m.concurrency == 1
+                                          and forward is not None and m.p50_first_text else None),
             "acceptance": m.accepted / m.drafted if m.drafted else None,
             "overhead_per_round_in_target_forwards": m.overhead_per_round,
             "steal_seconds": m.steal_seconds,
@@ -411,15 +436,16 @@ def _fmt(value, spec=".2f", suffix=""):
 
 def format_table(summary: dict) -> str:
     lines = ["| system | prompts (tokens) | streams | tok/s (total) | vs transformers generate | vs assisted "
-             "| vs server plain | vs one stream | p50 first text s | first text vs plain | acceptance |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs server plain | vs one stream | p50 first text s | first text vs plain "
+             "| first text vs one transformers forward | acceptance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lines.append(
             f"| {r['system']} | {r['prompt_set']} {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
             f"{_fmt(r['vs_transformers_generate'], '.2f', 'x')} | {_fmt(r['vs_transformers_assisted'], '.2f', 'x')} | "
             f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
             f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
-            f"{_fmt(r['acceptance'])} |")
+            f"{_fmt(r['first_text_vs_one_forward'], '.2f', 'x')} | {_fmt(r['acceptance'])} |")
     notes = []
     if summary["serving_overhead"]:  # not measured when the in-process peers were skipped
         notes.append("serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
@@ -464,7 +490,8 @@ def write_png(path: str, summary: dict, title: str) -> None:
         by_streams.set_ylabel("total tok/s over plain transformers generate (1 stream)")
         by_streams.set_title(f"{shortest}-token prompts, by concurrency")
         lengths = sorted({r["prompt_tokens"] for r in rows})
-        _grouped_bars(by_length, rows, list(dict.fromkeys(r["system"] for r in rows if r["concurrency"] == 1)),
+        _grouped_bars(by_length, rows, list(dict.fromkeys(r["system"] for r in rows if r["concurrency"] == 1
+                                                          and r["tokens_per_second"] is not None)),
                       [(n, 1) for n in lengths], [f"{n} tokens" for n in lengths])
         by_length.set_title("one stream, by prompt length")
         save_figure(figure, path, title)

@@ -8,6 +8,7 @@ import pytest
 from tools.compare import (
     ASSISTED,
     ENGINE,
+    ONE_FORWARD,
     PLAIN_GENERATE,
     Measurement,
     format_table,
@@ -57,6 +58,19 @@ def test_ratios_against_the_peers_the_servers_plain_mode_and_one_stream():
     assert rows[PLAIN_GENERATE, 1]["vs_server_plain"] is None  # peers have no server-plain ratio
     assert abs(summary["serving_overhead"]["150"] - 0.25) < 1e-9  # engine 5.0 over server plain 4.0
     assert "| server adaptive | humaneval 150 | 4 | 16.00 | 4.00x |" in format_table(summary)
+
+
+def test_time_to_first_text_is_set_against_one_transformers_forward_over_the_prompt():
+    forward = Measurement(ONE_FORWARD, 150, 1, first_text=[0.5, 0.6, 0.4])  # no tokens: a time only
+    runs = [forward, measurement("server plain", 4.0, first_text=(1.0,)),
+            measurement("server adaptive", 8.0, first_text=(0.75, 0.9, 0.6)),
+            measurement("server plain", 12.0, concurrency=4)]
+    rows = {(r["system"], r["concurrency"]): r for r in summarise(runs, identity=[])["rows"]}
+    assert rows["server plain", 1]["first_text_vs_one_forward"] == 2.0
+    assert abs(rows["server adaptive", 1]["first_text_vs_one_forward"] - 1.5) < 1e-9
+    assert rows["server plain", 4]["first_text_vs_one_forward"] is None  # streams wait on each other there
+    assert rows[ONE_FORWARD, 1]["tokens_per_second"] is None
+    assert "| 2.00x |" in format_table(summarise(runs, identity=[]))
 
 
 def test_a_speculative_text_that_differs_from_plain_is_reported():
