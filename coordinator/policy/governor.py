@@ -25,7 +25,9 @@ twice ``explore_every`` epochs. Before either, a load with nothing measured is
 priced by the batch forecast (coordinator/policy/batchcost.py: the engines'
 forward costs as functions of rows, fitted at the loads seen so far), so a
 burst at a new load starts in the regime predicted faster; a forecast of
-plain counts as a lost try too, and the epochs then correct the forecast. An epoch's clock stops while a prompt's
+plain counts as a lost try too, and the epochs then correct the forecast: at
+this load by measuring it, and at every other by calibrating each regime's
+forecast with the ratio its epochs measured against it (``predicted``). An epoch's clock stops while a prompt's
 prefill runs (from a request's arrival to its first token): a prefill decodes
 nothing whatever the regime, so counted it would decide by which epochs the
 arrivals land in. Static schedules such as TensorRT-LLM's
@@ -68,6 +70,11 @@ class LoadGovernor:
     _cut: float = 0.0  # when the clock last resumed after a pause or a change of load
     _prefills: int = 0  # prompt prefills running
     _tokens: float = 0.0
+    # Per regime, what its epochs measured over what the raw forecast predicted for
+    # them: the calibration that carries to loads not measured yet (batchcost.py).
+    calibration: dict[str, MovingAverage] = field(default_factory=dict)
+    # Per regime, the last epoch's calibrated prediction over its measurement, minus 1.
+    forecast_error: dict[str, float] = field(default_factory=dict)
 
     def speculation_allowed(self, streams: int) -> bool:
         return self._regime(load_bucket(streams), streams) == SPECULATE
@@ -86,8 +93,25 @@ class LoadGovernor:
                 return verdict
         return SPECULATE
 
+    def predicted(self, streams: int) -> Forecast | None:
+        """The batch forecast at ``streams`` streams, each regime calibrated by its epochs so far."""
+        raw = self.forecast(max(1, streams)) if self.forecast is not None else None
+        if raw is None:
+            return None
+        factor = {regime: self.calibration[regime].value if regime in self.calibration else 1.0
+                  for regime in (PLAIN, SPECULATE)}
+        return raw.scaled(plain=factor[PLAIN], speculative=factor[SPECULATE])
+
     def _forecast(self, streams: int) -> Forecast | None:
-        return self.forecast(streams) if self.forecast is not None and streams > 1 else None
+        return self.predicted(streams) if streams > 1 else None
+
+    def _calibrate(self, streams: int, regime: str, rate: float) -> None:
+        """Score the calibrated forecast against an epoch's measured ``rate``, then learn from it."""
+        raw = self.forecast(streams) if self.forecast is not None else None
+        if raw is None or rate <= 0 or raw.rate(regime) <= 0:
+            return
+        self.forecast_error[regime] = self.predicted(streams).rate(regime) / rate - 1.0
+        self.calibration.setdefault(regime, MovingAverage()).add(rate / raw.rate(regime), weight=0.3)
 
     def _measured_faster(self, bucket: int) -> str | None:
         plain, speculate = self.rates.get((bucket, PLAIN)), self.rates.get((bucket, SPECULATE))
@@ -141,6 +165,7 @@ class LoadGovernor:
                 self._explore_interval[bucket] = self._longer_interval(bucket)
         regime = self.regimes[bucket]
         rate = self._tokens / elapsed
+        self._calibrate(streams, regime, rate)
         self.rates.setdefault((bucket, regime), MovingAverage()).add(rate, weight=0.3)
         self.regimes[bucket] = self._next(bucket, regime)
         log.log(logging.INFO if self.regimes[bucket] != regime else logging.DEBUG,

@@ -154,6 +154,12 @@ MEASURED_RATE = {
                   "the load governor's epochs (0 until measured there)", [("regime", regime)])
     for regime in (PLAIN, SPECULATE)
 }
+FORECAST_ERROR = {
+    regime: _spec("specdec_forecast_error_ratio", GAUGE,
+                  "The load governor's last epoch in this regime: the calibrated forecast of its tokens per "
+                  "second over what it measured, minus 1 (0.1: predicted 10 % too many)", [("regime", regime)])
+    for regime in (PLAIN, SPECULATE)
+}
 FORECAST_STEP = _spec("specdec_forecast_plain_step_seconds", GAUGE,
                       "Predicted seconds of one plain target forward of the current batch "
                       "(measured: specdec_plain_step_seconds)")
@@ -207,6 +213,7 @@ FIXED_SPECS = (
     REFUSED,
     *LOAD_REGIME.values(),
     *FORECAST_RATE.values(),
+    *FORECAST_ERROR.values(),
     *MEASURED_RATE.values(),
     FORECAST_STEP,
     ACCEPTED_PER_ROUND,
@@ -293,13 +300,15 @@ class MetricsRecorder:
     def _load_rates(self, streams: int) -> None:
         """The batch forecast and the governor's measurement at ``streams`` streams."""
         get, governor = self._get, self.governor
-        forecast = governor.forecast(max(1, streams)) if governor.forecast is not None else None
+        forecast = governor.predicted(streams)
         if forecast is not None:
             get(FORECAST_RATE[PLAIN]).set(forecast.plain)
             get(FORECAST_RATE[SPECULATE]).set(forecast.speculative)
             get(FORECAST_STEP).set(forecast.plain_step)
         for regime in (PLAIN, SPECULATE):
             get(MEASURED_RATE[regime]).set(governor.rate(streams, regime) or 0.0)
+            if regime in governor.forecast_error:
+                get(FORECAST_ERROR[regime]).set(governor.forecast_error[regime])
 
     def _set_fallback(self, request: RequestMetrics, active: bool) -> None:
         (self._fallback.add if active else self._fallback.discard)(id(request))

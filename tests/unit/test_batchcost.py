@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from coordinator.policy.batchcost import BatchForecaster, ForwardFit
+from coordinator.policy.batchcost import BatchForecaster, Forecast, ForwardFit
 from coordinator.policy.costmodel import CostModel
 from coordinator.policy.expectation import expected_tokens_per_round
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
@@ -145,3 +145,29 @@ def test_measured_epochs_overrule_the_forecast():
     after = seen[first:]
     assert not any(a == b == PLAIN for a, b in zip(after, after[1:])), seen
     assert seen[first:].count(SPECULATE) > 2 * seen[first:].count(PLAIN), seen
+
+
+def test_epochs_calibrate_the_forecast_at_loads_not_measured_yet():
+    """The raw forecast prices speculation 1.2x plain at every load, but its epochs at 2 streams
+    serve half what it predicted: the calibrated forecast carries that to 8 streams, never
+    measured, which then starts plain; the error of each epoch's prediction is kept per regime."""
+    def raw(streams):
+        return Forecast(streams, plain=5.0 * streams, speculative=6.0 * streams, window=4, plain_step=0.2)
+
+    clock = [0.0]
+    governor = LoadGovernor(epoch_seconds=10.0, clock=lambda: clock[0], forecast=raw)
+    assert governor.speculation_allowed(8) and governor.predicted(8) == raw(8)
+    governor.emitted(0, 2)
+    measured = {SPECULATE: 6.0, PLAIN: 10.0}  # at 2 streams: speculation 0.5x, plain 1.0x its forecast
+    for _ in range(6):
+        regime = SPECULATE if governor.speculation_allowed(2) else PLAIN
+        for _ in range(10):
+            clock[0] += 1.0
+            governor.emitted(measured[regime], 2)
+    assert set(governor.calibration) == {PLAIN, SPECULATE}
+    at_eight = governor.predicted(8)
+    assert at_eight.speculative == pytest.approx(24.0, rel=0.05) and at_eight.plain == pytest.approx(40.0, rel=0.05)
+    assert not governor.speculation_allowed(8)  # priced from the calibrated forecast
+    assert "predict plain decoding 40" in governor.why_plain(8)
+    assert governor.forecast_error[SPECULATE] == pytest.approx(0.0, abs=0.05)  # learnt by the last epochs
+    assert governor.predicted(1).plain == pytest.approx(5.0, rel=0.05)  # the metrics show one stream too
