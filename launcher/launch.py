@@ -53,10 +53,14 @@ ALLOW_OPEN_INFERENCE_VAR = "SPECDEC_ALLOW_OPEN_INFERENCE"
 # Defaults for the model processes' CPU runtime (measurements in the README):
 ENGINE_ENV_DEFAULTS = {
     # oneDNN (torch's CPU kernels) keeps a compiled primitive per matrix shape,
-    # up to 1024; each new prompt length adds some (prefill), and the engines'
-    # resident memory crept up by megabytes per request. Forwards carry at most
-    # max_num_tokens rows, so a small cache loses nothing measurable ("Soak").
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+    # up to 1024 by default; when any prompt length made new shapes, the
+    # engines' resident memory crept up by megabytes per request ("Soak").
+    # The target's kernel calls now carry one measured block of rows at most
+    # (cpu_engine/row_blocks.py), so its shapes are few, but more than 16: a
+    # cache of 16 re-created primitives inside every prefill (a 243-token
+    # prompt's first token 1.45-1.54 s against 1.19-1.23 s with 64 or 256 on a
+    # 2-vCPU Intel Xeon with AMX). 256 holds them and still bounds the memory.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
     # target and draft are two processes with their own OpenMP threads on the
     # same cores. Spinning threads (OpenMP's default wait) took the cores from
     # the other engine: 4 concurrent speculative streams got 0.24x the total

@@ -16,7 +16,7 @@ def environment(tmp_path, **options):
     return launch.server_environment(launch.ServerOptions(**options), pair, install)
 
 
-@pytest.mark.parametrize("name,default", [("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"), ("OMP_WAIT_POLICY", "PASSIVE"),
+@pytest.mark.parametrize("name,default", [("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256"), ("OMP_WAIT_POLICY", "PASSIVE"),
                                           ("SPECDEC_TARGET_GOMP_SPINCOUNT", "100000")])
 def test_engine_runtime_defaults_unless_the_environment_sets_them(tmp_path, monkeypatch, name, default):
     monkeypatch.delenv(name, raising=False)
