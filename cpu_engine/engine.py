@@ -284,8 +284,11 @@ class CausalLMEngine:
         positions: list[int] = []
         segments: list[attention.Segment] = []
         wanted: list[int] = []
+        earlier: dict[int, int] = {}  # rows of this forward already given to a sequence (its prefill's last chunk)
         for work in works:
-            start, cached = len(ids), work.call.sequence.get_seq_length()
+            key = id(work.call.sequence)
+            start, cached = len(ids), work.call.sequence.get_seq_length() + earlier.get(key, 0)
+            earlier[key] = earlier.get(key, 0) + len(work.tokens)
             ids += work.tokens
             positions += range(cached, cached + len(work.tokens))
             segments.append(attention.Segment(start, len(ids), work.call.sequence))
@@ -299,7 +302,7 @@ class CausalLMEngine:
             segments.append(attention.Segment(real, total, None))
             ids += [0] * (total - real)
             positions += [0] * (total - real)
-        self.last_forward = (len(works), real)
+        self.last_forward = (len({id(work.call) for work in works}), real)
         self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
         with attention.packed(segments), shaping(self.row_shape if shaped else None):

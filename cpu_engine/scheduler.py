@@ -3,7 +3,8 @@ calls of many requests join the next forward as they arrive, and one forward
 carries the decode rows, verification rows and prompt-prefill chunks of
 several sequences, up to a row budget.
 
-A call goes through two phases. Prefill puts the prompt tokens not found in
+A call goes through two phases (the forward that ends a prompt's prefill
+carries its first decode rows too, where they fit). Prefill puts the prompt tokens not found in
 the prefix-cache pool into its sequence's cache, in chunks: a whole forward's
 budget when no stream is decoding, and at most ``shared_prefill`` rows next to
 running streams' decode rows, so a long prompt delays each of their tokens by
@@ -143,6 +144,11 @@ class Scheduler:
                 start = call.prefilled
                 works.append(Work(call, [int(t) for t in call.input_ids[start : start + chunk]], logits=False))
                 room -= chunk
+                if chunk == left and len(call.feed) <= room:
+                    # the prompt is in: its first decode rows ride in the same forward, so the
+                    # first token does not wait for a forward of its own
+                    works.append(Work(call, list(call.feed), logits=True))
+                    room -= len(call.feed)
         return works
 
     def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:

@@ -388,7 +388,8 @@ def test_a_prompt_prefilled_in_one_forward_of_blocks_equals_one_prefilled_block_
         results.append(e.run(request))
         forwards.append(e.forwards)
     assert results[1].tokens == results[0].tokens and np.array_equal(results[1].logits, results[0].logits)
-    assert forwards == [5 + 6, 1 + 6]  # 39 prompt tokens in 8-row forwards or in one; then a forward a token
+    # 39 prompt tokens in 8-row forwards or in one, the last of which decodes the first token; then one a token
+    assert forwards == [5 + 5, 1 + 5]
 
 
 def test_a_quantized_engine_measures_its_kernel_calls_onto_the_quantized_kernels(model_dir):
@@ -398,3 +399,18 @@ def test_a_quantized_engine_measures_its_kernel_calls_onto_the_quantized_kernels
     e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=256,
                        weight_quantization="int4")
     assert e.row_shape.capacity == 256 and e.row_shape.block <= quantize.DENSE_ROWS, e.row_shape.describe()
+
+
+def test_logits_match_the_model_run_by_transformers_whatever_the_forwards_carried(model_dir):
+    """The engine's logits for a prompt and its greedy continuation are the model's own (transformers,
+    one forward over the whole sequence): positions stay right when a prompt's last chunk and its
+    first decode row share a forward, and when the prompt is prefilled in several chunks."""
+    prompt = (np.arange(23) * 5 + 1) % 64
+    for max_num_tokens in (8, 64):
+        e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=max_num_tokens,
+                           max_cached_sequences=0)
+        result = e.run(EngineRequest(prompt, 5, return_logits=True))
+        sequence = torch.as_tensor(np.concatenate([prompt, result.tokens[:4]]).astype(np.int64)).unsqueeze(0)
+        with torch.no_grad():
+            reference = e.model(input_ids=sequence).logits[0, -5:]
+        assert torch.allclose(torch.from_numpy(result.logits), reference, atol=1e-4), max_num_tokens

@@ -82,15 +82,17 @@ def test_a_short_catch_up_is_prefilled_before_prompts_that_arrived_earlier():
     catch_up = call(53, new_tokens=4, reused=50)
     scheduler.add(catch_up)
     works, _ = step(scheduler)
-    assert [(w.call, len(w.tokens)) for w in works] == [(catch_up, 2), (prompts[0], 6)]
+    # its two tokens, and its first decode row in the same forward
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [
+        (catch_up, 2, False), (catch_up, 1, True), (prompts[0], 5, False)]
     forwards = 1
     while not catch_up.finished:
         works, _ = step(scheduler)
         forwards += 1
         assert works[0].call is catch_up  # its decode rows go first
-    assert forwards == 5 and catch_up.result.tokens == [54 % VOCAB, 55 % VOCAB, 56 % VOCAB, 57 % VOCAB]
+    assert forwards == 4 and catch_up.result.tokens == [54 % VOCAB, 55 % VOCAB, 56 % VOCAB, 57 % VOCAB]
     # the prompts still go in arrival order among themselves
-    assert prompts[0].prefill_left == 50 - 8 - 6 - 4 * 7 == 8
+    assert prompts[0].prefill_left == 50 - 8 - 5 - 3 * 7 == 16
     assert all(c.prefill_left == 50 for c in prompts[1:])
 
 
@@ -148,3 +150,22 @@ def test_decode_rows_over_the_shared_chunk_still_leave_prompts_one_chunk():
         scheduler.add(c)
     works, _ = step(scheduler)
     assert [len(w.tokens) for w in works] == [9, 9, 8]  # 18 decode rows, and still a chunk of the prompt
+
+
+def test_the_forward_that_ends_a_prompt_decodes_its_first_token_where_it_fits():
+    scheduler = Scheduler(capacity=16)
+    short, verify = call(10, new_tokens=3), call(8, drafts=(1, 2, 3))
+    scheduler.add(short)
+    works, _ = step(scheduler)
+    assert [(len(w.tokens), w.logits) for w in works] == [(9, False), (1, True)]
+    assert short.plain.tokens == [11]  # the first token came out of the prompt's own forward
+    scheduler.add(verify)  # 7 prompt tokens and 4 verification rows: 11 > 16 - 1 left after the stream
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [
+        (short, 1, True), (verify, 7, False), (verify, 4, True)]
+    assert verify.finished
+    long_prompt = call(16)  # the whole budget for its 15 prompt tokens: the first token waits
+    scheduler = Scheduler(capacity=15)
+    scheduler.add(long_prompt)
+    works, _ = step(scheduler)
+    assert [(len(w.tokens), w.logits) for w in works] == [(15, False)] and long_prompt.decode_rows() == 1
