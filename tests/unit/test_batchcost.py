@@ -7,7 +7,7 @@ import math
 import pytest
 
 from coordinator.policy.batchcost import BatchForecaster, Forecast, ForwardFit
-from coordinator.policy.costmodel import CostModel
+from coordinator.policy.costmodel import CostModel, MovingAverage
 from coordinator.policy.expectation import expected_tokens_per_round
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
 from coordinator.rounds import Round
@@ -171,3 +171,14 @@ def test_epochs_calibrate_the_forecast_at_loads_not_measured_yet():
     assert "predict plain decoding 40" in governor.why_plain(8)
     assert governor.forecast_error[SPECULATE] == pytest.approx(0.0, abs=0.05)  # learnt by the last epochs
     assert governor.predicted(1).plain == pytest.approx(5.0, rel=0.05)  # the metrics show one stream too
+
+
+def test_an_uncalibrated_forecast_of_speculation_must_win_by_a_margin():
+    def governor_over(speculative):
+        return LoadGovernor(forecast=lambda streams: Forecast(streams, plain=10.0, speculative=speculative,
+                                                              window=4, plain_step=0.2))
+    assert not governor_over(11.0).speculation_allowed(2)  # 10 % better: within the raw model's error
+    assert governor_over(12.0).speculation_allowed(2)
+    calibrated = governor_over(11.0)
+    calibrated.calibration[SPECULATE] = MovingAverage(1.0, 2)  # its epochs measured what it predicted
+    assert calibrated.speculation_allowed(2)
