@@ -29,8 +29,9 @@ NAME = "draft_model"
 # KV-cache reuse). A request that ends before its draft has caught up then
 # leaves at most one such call running: Triton 2.51 cannot cancel a BLS call,
 # and the rest of a long prompt's prefill would take the cores (or the GPU)
-# from other requests for nothing. 128 tokens are 16 forwards of the CPU
-# draft's 8 rows; on a GPU a few more round trips per prompt.
+# from other requests for nothing. 128 tokens are one forward of the CPU
+# draft (up to 256 rows, cpu_engine/row_blocks.py); on a GPU a few more round
+# trips per prompt.
 CATCH_UP_CHUNK = 128
 # On a prompt longer than two chunks the first call is shorter: where no
 # earlier catch-up has priced one (a fresh server), the request learns from
