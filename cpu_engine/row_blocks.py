@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from cpu_engine.quantize import replace_submodule
-from cpu_engine.rows import RowShape
+from cpu_engine.rows import RowShape, is_linear
 
 _shape: contextvars.ContextVar[RowShape | None] = contextvars.ContextVar("row_shape", default=None)
 
@@ -70,11 +70,6 @@ class RowBlockedLinear(nn.Module):
             return self.inner(x)
         out = blocked(self.inner, rows, shape)
         return out.view(*leading, out.shape[-1])
-
-
-def is_linear(module: nn.Module) -> bool:
-    """A linear layer of any kind the engine builds (float, prepacked, weight-only quantized)."""
-    return isinstance(module, nn.Linear) or hasattr(module, "packed_weight") or hasattr(module, "dequantized_weight")
 
 
 def block_linear_layers(model: nn.Module) -> int:

@@ -103,6 +103,12 @@ class RowShape:
         return f"forwards of up to {self.capacity} rows, {self.kernel_calls()}"
 
 
+def is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer of any kind the engine builds (float, prepacked, weight-only quantized)."""
+    return (isinstance(module, torch.nn.Linear) or hasattr(module, "packed_weight")
+            or hasattr(module, "dequantized_weight"))
+
+
 def probe_counts(budget: int) -> list[int]:
     """Row counts to compare: every small count and those around the powers
     of two where kernels switch blocking, up to ``budget``."""
@@ -169,8 +175,7 @@ def _floor_over_layers(model: torch.nn.Module, budget: int) -> tuple[int | None,
     floor = 1
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not (isinstance(module, torch.nn.Linear) or hasattr(module, "dequantized_weight")
-                or hasattr(module, "packed_weight")):
+        if not is_linear(module):
             continue
         width = getattr(module, "in_features", None) or (weight.shape[1] if weight is not None else None)
         key = (type(module).__name__, width, getattr(module, "out_features", None), str(getattr(weight, "dtype", "")))
