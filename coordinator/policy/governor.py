@@ -100,8 +100,9 @@ class LoadGovernor:
     def predicted(self, streams: int) -> Forecast | None:
         """The batch forecast at ``streams`` streams, each regime calibrated by its epochs so far."""
         raw = self.forecast(max(1, streams)) if self.forecast is not None else None
-        if raw is None:
-            return None
+        return None if raw is None else self._calibrated(raw)
+
+    def _calibrated(self, raw: Forecast) -> Forecast:
         factor = {regime: self.calibration[regime].value if regime in self.calibration else 1.0
                   for regime in (PLAIN, SPECULATE)}
         return raw.scaled(plain=factor[PLAIN], speculative=factor[SPECULATE])
@@ -123,7 +124,7 @@ class LoadGovernor:
         raw = self.forecast(streams) if self.forecast is not None else None
         if raw is None or rate <= 0 or raw.rate(regime) <= 0:
             return
-        self.forecast_error[regime] = self.predicted(streams).rate(regime) / rate - 1.0
+        self.forecast_error[regime] = self._calibrated(raw).rate(regime) / rate - 1.0
         self.calibration.setdefault(regime, MovingAverage()).add(rate / raw.rate(regime), weight=0.3)
 
     def _measured_faster(self, bucket: int) -> str | None:
