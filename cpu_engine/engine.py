@@ -179,7 +179,8 @@ class CausalLMEngine:
         # A forward carries up to max_num_tokens rows; its linear layers run in
         # blocks of the measured shape (cpu_engine/row_blocks.py).
         self.row_shape = replace(measured, forward_rows=max_num_tokens)
-        block_linear_layers(self.model)
+        if self.invariance != "never":  # no forward is shaped: the layers stay as they are
+            block_linear_layers(self.model)
         # Next to running streams a prompt's prefill takes one block a forward,
         # so it delays their next token by about one block's cost.
         self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block)
