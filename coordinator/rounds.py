@@ -10,6 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Why a round decoded plainly (Round.plain_reason), first cause first: the
+# request asked for no speculation (speculation_window 0, or the control arm);
+# the draft failed; the load governor holds speculation back at this load; the
+# draft's catch-up on the prompt was priced as not paying, or is still running;
+# the first round of a request is plain; rolling acceptance fell below
+# fallback_threshold; the cost model predicts no window beats plain decoding;
+# the drafter had nothing to propose (prompt lookup found no match).
+PLAIN_REASONS = ("not_requested", "draft_failed", "load_governor", "catch_up_not_worth_it",
+                 "draft_catching_up", "first_round", "low_acceptance", "cost_model", "nothing_proposed")
+
 @dataclass(frozen=True)
 class Round:
     tokens: list[int]  # emitted this round, end token excluded
@@ -27,6 +37,8 @@ class Round:
     # The policy's state once it has taken the round in (SpeculationPolicy.observe).
     mode: str = "speculating"
     held_back: bool | None = None  # the load governor holds speculation back (None: no governor)
+    # Why a plain round did not speculate (PLAIN_REASONS; "" for a speculative round).
+    plain_reason: str = ""
     # How other candidates' proposals at the same context would have fared against
     # this round's tokens, (drafter, accepted, rejected) each: evidence for a free
     # drafter the round did not use (Proposal.alternatives).

@@ -50,7 +50,7 @@ from coordinator.drafters.registry import DRAFT_MODEL
 from coordinator.drafters.warmup import DraftWarmUp
 from coordinator.engines.contract import Engine, EngineError
 from coordinator.engines.deadline import with_deadline
-from coordinator.policy.speculation import SpeculationPolicy
+from coordinator.policy.speculation import Mode, SpeculationPolicy
 from coordinator.sampling.params import SamplingParams, call_seed
 from coordinator.verification.outcome import (before_end, common_prefix_length, reached_end_by_count,
                                               score_alternatives)
@@ -136,8 +136,9 @@ async def speculative_decode(
                     return
                 continue
             stretch = plain_stretch_length(state, warm_up, plain_stretch)
+            reason = plain_reason(state.policy, warm_up, drafter)
             ended = False
-            async for round_ in plain_stretch_rounds(state, stretch):  # read to its end: it releases the call
+            async for round_ in plain_stretch_rounds(state, stretch, reason):  # read to its end: it releases the call
                 ended = round_.finished
                 yield round_
             if ended:
@@ -174,15 +175,36 @@ def plain_stretch_length(state: Decoding, warm_up: DraftWarmUp, most: int) -> in
     return min(stretch, WARMUP_STRETCH) if warm_up.running else stretch
 
 
-async def plain_stretch_rounds(state: Decoding, stretch: int) -> AsyncIterator[Round]:
-    """A stretch of plain decoding in one call, a reported Round per chunk."""
+def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Drafter) -> str:
+    """Why the next round decodes plainly (coordinator/rounds.py PLAIN_REASONS), first cause first."""
+    if policy.max_window <= 0:
+        return "not_requested"
+    if policy.draft_model_failed:
+        return "draft_failed"
+    if policy.held_back:
+        return "load_governor"
+    free = any(registry.is_free(name) for name in drafter.uses)
+    if DRAFT_MODEL in drafter.uses and not free:
+        if warm_up.verdict is False:
+            return "catch_up_not_worth_it"
+        if warm_up.running:
+            return "draft_catching_up"
+    if policy.first_round_pending:
+        return "first_round"
+    if policy.mode is Mode.FALLBACK:
+        return "low_acceptance"
+    return "cost_model"
+
+
+async def plain_stretch_rounds(state: Decoding, stretch: int, reason: str = "") -> AsyncIterator[Round]:
+    """A stretch of plain decoding in one call, a reported Round per chunk (``reason``: why, PLAIN_REASONS)."""
     plain = _plain_rounds(state.target, state.context, stretch, state.sampling, state.end_ids, state.clock,
                           steady=state.target_seen > 0)
     async with aclosing(plain):
         async for round_ in plain:
             state.target_seen = len(state.context)
             state.take(round_.tokens)
-            yield state.report(replace(round_, finished=round_.finished or state.remaining <= 0))
+            yield state.report(replace(round_, finished=round_.finished or state.remaining <= 0, plain_reason=reason))
             if round_.finished:
                 return
 
@@ -225,7 +247,8 @@ async def speculative_round(state: Decoding, drafter: Drafter, chosen: str, k: i
                    context=position, draft_sample=proposal.seconds if drafts else None,
                    target_sample=target_seconds if steady else None,
                    alternatives=score_alternatives(proposal.alternatives, emitted) if drafts else (),
-                   log_probs=_aligned(verified.log_probs, len(emitted), sampling))
+                   log_probs=_aligned(verified.log_probs, len(emitted), sampling),
+                   plain_reason="" if drafts else ("draft_failed" if policy.draft_model_failed else "nothing_proposed"))
     state.take(emitted)
     return state.report(round_)
 

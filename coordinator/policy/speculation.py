@@ -167,7 +167,7 @@ class SpeculationPolicy:
         """(window, predicted speed-up) of ``drafter`` for the next round (speed-up 1
         where the window is not the cost model's choice: fixed windows and probes)."""
         self._context = context
-        if self.max_window <= 0 or (self.first_round_plain and self._rounds == 0):
+        if self.max_window <= 0 or self.first_round_pending:
             return 0, 1.0
         if self.held_back:
             self.reason = self.governor.why_plain(self.costs.streams)
@@ -267,6 +267,11 @@ class SpeculationPolicy:
         if self._drafted(drafter) < self.settings.min_evidence:
             return None
         return self.acceptance_estimate(drafter)
+
+    @property
+    def first_round_pending(self) -> bool:
+        """The request's first round is still to come and is a plain step (rule 5)."""
+        return self.first_round_plain and self._rounds == 0
 
     @property
     def held_back(self) -> bool:

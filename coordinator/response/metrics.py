@@ -17,7 +17,7 @@ from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
 from coordinator.policy.speculation import Mode
-from coordinator.rounds import Round
+from coordinator.rounds import PLAIN_REASONS, Round
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
@@ -91,6 +91,14 @@ SPECULATIVE_ROUNDS = _spec(
     "specdec_rounds_total", COUNTER, "Decoding rounds: a speculative round is one target call, a plain round one plain target step", [("kind", "speculative")]
 )
 PLAIN_ROUNDS = _spec("specdec_rounds_total", COUNTER, "Decoding rounds: a speculative round is one target call, a plain round one plain target step", [("kind", "plain")])
+# Why tokens were decoded without speculation (coordinator/decoding/loop.py plain_reason):
+# the share of each among the emitted tokens is what an operator watches in a rollout.
+PLAIN_TOKENS = {
+    reason: _spec("specdec_plain_tokens_total", COUNTER,
+                  "Completion tokens decoded plainly (no draft verified), by why the request did not speculate",
+                  [("reason", reason)])
+    for reason in PLAIN_REASONS
+}
 DRAFT_FAILURES = _spec(
     "specdec_draft_failures_total", COUNTER, "Draft engine failures (the request went on with the target alone)"
 )
@@ -200,6 +208,7 @@ FIXED_SPECS = (
     EMITTED_TOKENS,
     SPECULATIVE_ROUNDS,
     PLAIN_ROUNDS,
+    *PLAIN_TOKENS.values(),
     DRAFT_FAILURES,
     *REQUESTS_BY_ARM.values(),
     WINDOW,
@@ -281,6 +290,8 @@ class MetricsRecorder:
             get(VERIFY_COST[bucket]).set(costs.verify_cost(round_.drafted, context))
         else:
             get(PLAIN_ROUNDS).increment(1)
+            if emitted and round_.plain_reason in PLAIN_TOKENS:
+                get(PLAIN_TOKENS[round_.plain_reason]).increment(emitted)
         plain = costs.plain_seconds(context)
         if plain is not None:
             get(PLAIN_STEP[context_bucket(context)]).set(plain)

@@ -175,3 +175,23 @@ def test_prefill_and_draft_catch_up_calls_are_not_cost_samples():
     assert timings.verify[3].samples == 2 and timings.draft[DRAFT_MODEL][3].samples == 3
     assert timings.plain_step.samples == 1
     assert draft.calls[0] == (1, 0)  # the catch-up
+
+
+def test_every_plain_round_says_why_it_did_not_speculate():
+    def contrarian(context):
+        logits = toy_logits(context)
+        logits[logits.argmax()] = -1e9
+        return logits
+
+    fell_back, _ = run([1], 40, ToyEngine(contrarian), ToyEngine(), window=4, threshold=0.3)
+    assert all(r.plain_reason == "" for r in fell_back if r.drafted)
+    assert {r.plain_reason for r in fell_back if not r.drafted} == {"low_acceptance"}
+    off, _ = run([1], 10, ToyEngine(), ToyEngine(), window=0)
+    assert off and {r.plain_reason for r in off} == {"not_requested"}
+    draft = ToyEngine()
+    draft.fail_with = RuntimeError("draft unloaded")
+    failed, _ = run([1], 10, draft, ToyEngine(), window=4)
+    assert {r.plain_reason for r in failed} == {"draft_failed"}
+    first = SpeculationPolicy(max_window=4, fallback_threshold=0.0, adaptive=False)
+    started, _ = run([1], 10, ToyEngine(), ToyEngine(), policy=first)
+    assert started[0].plain_reason == "first_round" and started[1].drafted

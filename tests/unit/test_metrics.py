@@ -3,8 +3,8 @@ from collections import defaultdict
 import pytest
 
 from coordinator.drafters.registry import DRAFT_MODEL, PROMPT_LOOKUP
-from coordinator.rounds import Round
-from coordinator.response.metrics import (ACCEPTED_AT, ACCEPTED_PER_ROUND, ACCEPTED_TOKENS, DRAFTED_AT, all_specs, DRAFT_FAILURES, DRAFT_TOKENS, EMITTED_TOKENS, FALLBACK_ACTIVE, INTER_TOKEN_LATENCY, PLAIN_ROUNDS, REQUESTS, SPECULATIVE_ROUNDS, TIME_TO_FIRST_TOKEN, WINDOW, MetricsRecorder)
+from coordinator.rounds import PLAIN_REASONS, Round
+from coordinator.response.metrics import (ACCEPTED_AT, ACCEPTED_PER_ROUND, ACCEPTED_TOKENS, DRAFTED_AT, all_specs, DRAFT_FAILURES, DRAFT_TOKENS, EMITTED_TOKENS, FALLBACK_ACTIVE, INTER_TOKEN_LATENCY, PLAIN_ROUNDS, PLAIN_TOKENS, REQUESTS, SPECULATIVE_ROUNDS, TIME_TO_FIRST_TOKEN, WINDOW, MetricsRecorder)
 from coordinator.policy.costmodel import MovingAverage
 from coordinator.policy.speculation import Mode
 
@@ -165,3 +165,15 @@ def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_s
     assert made[FORECAST_ERROR[SPECULATE]].value == 0.2
     assert made[FORECAST_STEP].value == pytest.approx(0.18)
     assert made[MEASURED_RATE[PLAIN]].value == 9.0 and made[MEASURED_RATE[SPECULATE]].value == 0.0
+
+
+def test_plain_tokens_are_counted_by_why_the_request_did_not_speculate():
+    metrics, made, _ = recorder()
+    request = metrics.start_request()
+    request.round(Round([1, 2, 3], 0, 0, False, plain_reason="load_governor"))
+    request.round(Round([4], 0, 0, False, plain_reason="first_round"))
+    request.round(Round([5, 6], 2, 1, False, drafter=DRAFT_MODEL))
+    assert made[PLAIN_TOKENS["load_governor"]].total == 3
+    assert made[PLAIN_TOKENS["first_round"]].total == 1
+    assert sum(made[spec].total for spec in PLAIN_TOKENS.values()) == 4
+    assert set(PLAIN_TOKENS) == set(PLAIN_REASONS)
