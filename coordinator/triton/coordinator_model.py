@@ -21,7 +21,6 @@ every response of a decoupled call is awaited from that pool too, because:
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import secrets
@@ -62,11 +61,6 @@ DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader
 # (selfheal/) unloads the dead model to reload it, this check ends such a call
 # with an error instead of a hang.
 ENGINE_CHECK_SECONDS = 1.0
-# The Triton trace of the request being served (Triton's trace API, off unless
-# the server is started with --trace-config or it is turned on at run time):
-# each engine call passes it on, so its draft and target calls are traced as
-# children of the request (their traces carry its id as parent_id).
-request_trace: contextvars.ContextVar = contextvars.ContextVar("request_trace", default=None)
 # Each engine call in flight holds one thread while it waits for its next
 # response (a request holds up to three: target, draft, draft warm-up);
 # threads are started only when needed.
@@ -142,12 +136,10 @@ class BlsEngine:
 
 async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
     """The responses of a BLS call to ``model_name`` (raises EngineError on an error response)."""
-    trace = request_trace.get()
     request = pb_utils.InferenceRequest(
         model_name=model_name,
         inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
         requested_output_names=list(outputs),
-        **({} if trace is None else {"trace": trace}),
     )
     if decoupled:
         stream = await _engine_answer(model_name, lambda: request.exec(decoupled=True))
@@ -331,7 +323,6 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
-        request_trace.set(request.trace())  # this request's task (and the tasks it starts) only
         sender = request.get_response_sender()
         slot = self.admission.admit()
         if slot is None:  # at max_inflight_requests: refused at once, before any work

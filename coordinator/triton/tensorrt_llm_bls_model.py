@@ -24,7 +24,7 @@ from coordinator.request import nvidia
 from coordinator.request.api import LOG_PROBS, STATISTICS
 from coordinator.request.api import OUTPUTS as COORDINATOR_OUTPUTS
 from coordinator.request.parse import InputError
-from coordinator.triton.coordinator_model import bls_responses, request_trace
+from coordinator.triton.coordinator_model import bls_responses
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -42,7 +42,6 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request) -> None:
-        request_trace.set(request.trace())  # the coordinator's calls are traced as this request's children
         sender = request.get_response_sender()
         try:
             raw = {}

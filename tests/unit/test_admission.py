@@ -123,9 +123,6 @@ class Request:
     def get_response_sender(self):
         return self.sender
 
-    def trace(self):  # Triton's trace of the request (an opaque object here)
-        return None
-
     def parameters(self):
         return ""
 

@@ -72,13 +72,11 @@ class FakeBackend(types.ModuleType):
         super().__init__("triton_python_backend_utils")
         self.engines: dict[str, tuple[list, threading.Event]] = {}
         self.iterators: list[_BlockingIterator] = []
-        self.traces: list = []  # the trace each engine call was made with
         backend = self
 
         class InferenceRequest:
-            def __init__(self, model_name, inputs, requested_output_names, trace=None):
+            def __init__(self, model_name, inputs, requested_output_names):
                 self.model_name = model_name
-                backend.traces.append(trace)
 
             def exec(self, decoupled=False):
                 responses, released = backend.engines[self.model_name]
@@ -212,26 +210,3 @@ def test_a_failing_readiness_check_never_fails_a_call(bls, monkeypatch):
     threading.Timer(0.2, released.set).start()
     engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
     assert asyncio.run(asyncio.wait_for(engine.generate([9], 1, SamplingParams()), TIMEOUT)).tokens == [3]
-
-
-def test_engine_calls_carry_the_trace_of_the_request_they_serve(bls):
-    """Triton traces a BLS call as a child of the request only when the call is
-    made with that request's trace; calls outside a traced request carry none."""
-    module, backend = bls
-    released = threading.Event()
-    released.set()
-    backend.engines["target"] = ([_Response([4, 2])], released)
-    engine = module.BlsEngine("target", SPECIAL, decoupled=False)
-    traced = object()
-
-    async def served(trace):
-        module.request_trace.set(trace)
-        return await engine.generate([9], 2, SamplingParams())
-
-    async def both():
-        await asyncio.gather(served(traced), served(None))  # two requests, each in a task of its own
-
-    asyncio.run(both())
-    assert sorted(backend.traces, key=lambda t: t is None) == [traced, None]
-    asyncio.run(engine.generate([9], 2, SamplingParams()))
-    assert backend.traces[-1] is None
