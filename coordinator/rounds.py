@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 # Why a round decoded plainly (Round.plain_reason), first cause first: the
 # request asked for no speculation (speculation_window 0, or the control arm);
-# the draft failed; the load governor holds speculation back at this load; the
+# one token is left (nothing to draft before it); the draft failed; the load governor holds speculation back at this load; the
 # draft's catch-up on the prompt was priced as not paying, or is still running;
 # the first round of a request is plain; rolling acceptance fell below
 # fallback_threshold; the cost model predicts no window beats plain decoding;
 # the drafter had nothing to propose (prompt lookup found no match).
-PLAIN_REASONS = ("not_requested", "draft_failed", "load_governor", "catch_up_not_worth_it",
+PLAIN_REASONS = ("not_requested", "last_token", "draft_failed", "load_governor", "catch_up_not_worth_it",
                  "draft_catching_up", "first_round", "low_acceptance", "cost_model", "nothing_proposed")
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ ENV_OVERRIDES = {
     "drafter": "SPECDEC_DRAFTER",
     "max_inflight_requests": "SPECDEC_MAX_INFLIGHT",
     "speculation_ab_fraction": "SPECDEC_AB_FRACTION",
+    "trace_file": "SPECDEC_TRACE_FILE",
 }
 
 
@@ -98,6 +99,10 @@ class CoordinatorSettings:
     # (arm speculative). A request that sets speculation_window keeps it (arm
     # none). 0: no split.
     speculation_ab_fraction: float = 0.0
+    # Per-request tracing (coordinator/triton/tracing.py): a file the spans are
+    # appended to as JSON lines; "" writes none (OTLP is set by the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT).
+    trace_file: str = ""
     # The speculation policy's tuning values (coordinator/policy/speculation.py): set with
     # parameters of their own names (history_tokens, min_evidence, ...).
     policy: PolicySettings = field(default_factory=PolicySettings)

@@ -68,13 +68,15 @@ async def generate_text(
     governor: LoadGovernor | None = None,
     metrics: RequestMetrics | None = None,
     cancelled: Callable[[], bool] | None = None,
+    on_round: Callable[[Round], None] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Yield text deltas; the last chunk has ``final`` set and carries the stats.
 
     ``costs`` is the server-wide cost model shared by all requests, ``governor``
     the server-wide switch that measures whether speculation pays at the load.
     ``cancelled`` is asked after every round; when it says yes, no further
-    engine call is made and ``RequestCancelled`` is raised."""
+    engine call is made and ``RequestCancelled`` is raised. ``on_round`` sees
+    every round as the policy took it in (the adapter's tracing)."""
     check_prompt_size(codec.text_bytes(request.prompt), codec.max_token_bytes, settings)
     prompt_ids = codec.encode(request.prompt)
     check_context(len(prompt_ids), request.max_tokens, settings)
@@ -114,6 +116,8 @@ async def generate_text(
                 stats.fallback_reason = policy.reason
                 if metrics is not None:
                     metrics.round(round_)
+                if on_round is not None:
+                    on_round(round_)
                 if cancelled is not None and not round_.finished and cancelled():
                     raise RequestCancelled()
                 delta = text.append(round_.tokens, final=round_.finished)

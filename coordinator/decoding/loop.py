@@ -136,7 +136,7 @@ async def speculative_decode(
                     return
                 continue
             stretch = plain_stretch_length(state, warm_up, plain_stretch)
-            reason = plain_reason(state.policy, warm_up, drafter)
+            reason = plain_reason(state.policy, warm_up, drafter, state.remaining)
             ended = False
             async for round_ in plain_stretch_rounds(state, stretch, reason):  # read to its end: it releases the call
                 ended = round_.finished
@@ -175,16 +175,17 @@ def plain_stretch_length(state: Decoding, warm_up: DraftWarmUp, most: int) -> in
     return min(stretch, WARMUP_STRETCH) if warm_up.running else stretch
 
 
-def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Drafter) -> str:
+def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Drafter, remaining: int) -> str:
     """Why the next round decodes plainly (coordinator/rounds.py PLAIN_REASONS), first cause first."""
     if policy.max_window <= 0:
         return "not_requested"
+    if remaining <= 1:
+        return "last_token"
     if policy.draft_model_failed:
         return "draft_failed"
     if policy.held_back:
         return "load_governor"
-    free = any(registry.is_free(name) for name in drafter.uses)
-    if DRAFT_MODEL in drafter.uses and not free:
+    if DRAFT_MODEL in drafter.uses:
         if warm_up.verdict is False:
             return "catch_up_not_worth_it"
         if warm_up.running:

@@ -50,6 +50,7 @@ from coordinator.request.tokenizer import Codec, SpecialTokens
 from coordinator.response.metrics import COUNTER, GAUGE, MetricSpec, MetricsRecorder
 from coordinator.sampling.params import SamplingParams
 from coordinator.settings import CoordinatorSettings
+from coordinator.triton import tracing
 from coordinator.triton.logs import log_to_stderr
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,16 @@ class BlsEngine:
         draft_logits=None,
         return_logits: bool = False,
     ) -> EngineOutput:
+        with tracing.tracer.start_as_current_span(f"{self.model_name} call", attributes={
+                "specdec.input_tokens": len(input_ids), "specdec.max_new_tokens": max_new_tokens,
+                "specdec.draft_tokens": len(draft_tokens)}) as span:
+            output = await self._generate(input_ids, max_new_tokens, sampling, draft_tokens, draft_logits,
+                                          return_logits)
+            span.set_attribute("specdec.returned_tokens", len(output.tokens))
+            return output
+
+    async def _generate(self, input_ids, max_new_tokens, sampling, draft_tokens, draft_logits,
+                        return_logits) -> EngineOutput:
         tensors = self._inputs(input_ids, max_new_tokens, sampling, draft_tokens=draft_tokens,
                                draft_logits=draft_logits, return_logits=return_logits)
         tokens, logits, log_probs = [], [], []
@@ -112,12 +123,21 @@ class BlsEngine:
     async def stream(self, input_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams):
         """Plain decoding; the tokens as the engine generates them (one call)."""
         tensors = self._inputs(input_ids, max_new_tokens, sampling, streaming=self.decoupled)
-        async with aclosing(self._responses(tensors, False, sampling.log_probs)) as responses:
-            async for response in responses:
-                new = _tokens(response)
-                if new:
-                    log_probs = _log_probs(response, len(new), self.model_name) if sampling.log_probs else None
-                    yield EngineOutput(new, None, log_probs)
+        # not the current span: a generator's context is not its consumer's across yields
+        span = tracing.tracer.start_span(f"{self.model_name} stream", attributes={
+            "specdec.input_tokens": len(input_ids), "specdec.max_new_tokens": max_new_tokens})
+        returned = 0
+        try:
+            async with aclosing(self._responses(tensors, False, sampling.log_probs)) as responses:
+                async for response in responses:
+                    new = _tokens(response)
+                    if new:
+                        returned += len(new)
+                        log_probs = _log_probs(response, len(new), self.model_name) if sampling.log_probs else None
+                        yield EngineOutput(new, None, log_probs)
+        finally:
+            span.set_attribute("specdec.returned_tokens", returned)
+            span.end()
 
     def _inputs(self, input_ids, max_new_tokens, sampling, **options) -> dict:
         # The model's end ids: the first as end_id, the others as stop words, so
@@ -316,7 +336,9 @@ class TritonPythonModel:
         self.admission = Admission(self.settings.max_inflight_requests)
         self.metrics.admission(0, self.admission.limit)
         flush_metrics()
-        log.info("coordinator ready: %s", self.settings)
+        traced_to = tracing.configure(self.settings.trace_file)
+        log.info("coordinator ready: %s; tracing %s", self.settings,
+                 f"to {', '.join(traced_to)}" if traced_to else "off")
 
     async def execute(self, requests):
         await asyncio.gather(*(self._serve(request) for request in requests))
@@ -341,11 +363,12 @@ class TritonPythonModel:
             flush_metrics()
 
         try:
-            await self._generate(request, sender, release)
+            with tracing.tracer.start_as_current_span("specdec request") as span:
+                await self._generate(request, sender, release, span)
         finally:
             release()
 
-    async def _generate(self, request, sender, release) -> None:
+    async def _generate(self, request, sender, release, span) -> None:
         metrics = self.metrics.start_request()
         outcome = "error"
         try:
@@ -357,6 +380,10 @@ class TritonPythonModel:
             # Seeds drawn here stay below 2^63: seeds from 2^63 up are reserved for
             # the tests' fault injection (cpu_engine/faults.py).
             generation = parse_request(raw, self.settings, new_seed=lambda: secrets.randbits(63))
+            if span.is_recording():  # tracing on (coordinator/triton/tracing.py)
+                span.set_attributes({"specdec.arm": generation.arm, "specdec.max_tokens": generation.max_tokens,
+                                     "specdec.speculation_window": generation.speculation_window,
+                                     "specdec.stream": generation.stream})
             pieces: list[str] = []
             chunks = generate_text(
                 generation,
@@ -368,8 +395,12 @@ class TritonPythonModel:
                 governor=self.governor,
                 metrics=metrics,
                 cancelled=lambda: _cancelled(request, sender),  # asked after every round
+                on_round=tracing.RoundSpans() if span.is_recording() else None,
             )
             async for chunk in chunks:
+                if chunk.final and span.is_recording():
+                    span.set_attributes({"specdec.completion_tokens": chunk.stats.completion_tokens,
+                                         "specdec.fallback_reason": chunk.stats.fallback_reason})
                 if chunk.final:
                     # Counted before the client can see the end of its request, so the
                     # metrics port never lags the responses (the stream's clean-up follows).
@@ -410,6 +441,7 @@ class TritonPythonModel:
             )
         finally:
             metrics.finish(outcome)
+            span.set_attribute("specdec.outcome", outcome)
 
 
 def _parameters(request) -> dict:

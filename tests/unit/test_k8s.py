@@ -375,8 +375,10 @@ def test_coordinator_knobs_come_from_the_configmap(overlay):
     assert data["SPECDEC_MAX_INFLIGHT"] == ""
     # every knob the coordinator reads from the environment is in the ConfigMap, and nothing else
     from coordinator.settings import ENV_OVERRIDES
+    from coordinator.triton.tracing import OTLP_VARIABLES
 
-    assert set(data) == set(ENV_OVERRIDES.values())
+    # (the OTLP collector's standard variable: the tracing's other knob, read by the SDK's exporter)
+    assert set(data) == set(ENV_OVERRIDES.values()) | {OTLP_VARIABLES[-1]}
     triton = container(pod_spec(deployment(docs)), "triton")
     refs = [e["configMapRef"]["name"] for e in triton.get("envFrom", []) if "configMapRef" in e]
     generated = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"]
