@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 # Why a round decoded plainly (Round.plain_reason), first cause first: the
 # request asked for no speculation (speculation_window 0, or the control arm);
-# one token is left (nothing to draft before it); the draft failed; the load governor holds speculation back at this load; the
-# draft's catch-up on the prompt was priced as not paying, or is still running;
+# one token is left (nothing to draft before it); the draft failed; the load
+# governor holds speculation back at this load; the draft's catch-up on the
+# prompt was priced as not paying, or is still running;
 # the first round of a request is plain; rolling acceptance fell below
 # fallback_threshold; the cost model predicts no window beats plain decoding;
 # the drafter had nothing to propose (prompt lookup found no match).
