@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -167,17 +168,52 @@ def adapter_rules() -> list[dict]:
 # ------------------------------------------------ rendering and schemas ----
 
 
+CORE_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "Deployment", "Service",
+              "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"}
+
+
 @pytest.mark.parametrize("target", ("base",) + tuple(f"overlays/{o}" for o in OVERLAYS))
 def test_kustomize_builds(target):
     docs = render(target)
     kinds = {d["kind"] for d in docs}
-    expected = {
-        "Namespace", "ServiceAccount", "ConfigMap", "Deployment", "Service",
-        "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy",
-        "PodMonitor", "PrometheusRule",
-    }
+    # the base needs no CRD; every overlay adds the Prometheus Operator's objects (components/prometheus)
+    expected = CORE_KINDS | (set() if target == "base" else set(PROMETHEUS_OPERATOR_KINDS))
     assert expected <= kinds, f"missing kinds: {expected - kinds}"
+    assert target != "base" or not kinds & set(PROMETHEUS_OPERATOR_KINDS)
     assert "Secret" not in kinds, "no Secret may be committed; users create triton-specdec-admin themselves"
+
+
+def without_prometheus(overlay: str, tmp_path: Path) -> list[dict]:
+    """``overlay`` rendered with its components/prometheus line dropped, as a
+    user on a cluster without the Prometheus Operator would (a copy of the
+    overlay whose relative references point back into k8s/)."""
+    copy = tmp_path / overlay
+    copy.mkdir()
+    for file in (K8S / "overlays" / overlay).iterdir():
+        text = file.read_text()
+        if file.name == "kustomization.yaml":
+            assert "  - ../../components/prometheus\n" in text
+            text = text.replace("  - ../../components/prometheus\n", "")
+            text = text.replace("../../", os.path.relpath(K8S, copy) + "/")  # kustomize refuses absolute roots
+        (copy / file.name).write_text(text)
+    proc = subprocess.run([str(KUBECTL), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"kubectl kustomize {overlay} without prometheus failed:\n{proc.stderr}"
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_without_the_prometheus_component_needs_no_crd(overlay, tmp_path):
+    import kubernetes_validate
+
+    docs = without_prometheus(overlay, tmp_path)
+    kinds = {d["kind"] for d in docs}
+    assert CORE_KINDS <= kinds and not kinds & set(PROMETHEUS_OPERATOR_KINDS)
+    assert all(d["apiVersion"].split("/")[0] != "monitoring.coreos.com" for d in docs)
+    for doc in docs:  # everything left is core Kubernetes
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    with_it = {(d["kind"], d["metadata"]["name"]) for d in render(f"overlays/{overlay}")}
+    assert with_it - {(d["kind"], d["metadata"]["name"]) for d in docs} == {
+        ("PodMonitor", "triton-specdec"), ("PrometheusRule", "triton-specdec")}
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

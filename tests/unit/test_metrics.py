@@ -129,7 +129,7 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
 
     import yaml
 
-    rules_file = Path(__file__).resolve().parents[2] / "k8s" / "base" / "prometheusrule.yaml"
+    rules_file = Path(__file__).resolve().parents[2] / "k8s" / "components" / "prometheus" / "prometheusrule.yaml"
     rules = [r for group in yaml.safe_load(rules_file.read_text())["spec"]["groups"] for r in group["rules"]]
     recorded = {r["record"] for r in rules if "record" in r}
     from selfheal.exposition import METRICS as WATCHDOG_METRICS
