@@ -183,21 +183,26 @@ def test_kustomize_builds(target):
     assert "Secret" not in kinds, "no Secret may be committed; users create triton-specdec-admin themselves"
 
 
-def without_prometheus(overlay: str, tmp_path: Path) -> list[dict]:
-    """``overlay`` rendered with its components/prometheus line dropped, as a
-    user on a cluster without the Prometheus Operator would (a copy of the
-    overlay whose relative references point back into k8s/)."""
+def render_variant(overlay: str, tmp_path: Path, drop: str = "", add: str = "") -> list[dict]:
+    """``overlay`` rendered with the component ``drop`` left out and ``add``
+    put in, as a user would edit its kustomization (a copy of the overlay whose
+    relative references point back into k8s/)."""
     copy = tmp_path / overlay
     copy.mkdir()
     for file in (K8S / "overlays" / overlay).iterdir():
         text = file.read_text()
         if file.name == "kustomization.yaml":
-            assert "  - ../../components/prometheus\n" in text
-            text = text.replace("  - ../../components/prometheus\n", "")
+            if drop:
+                assert f"  - ../../components/{drop}\n" in text
+                text = text.replace(f"  - ../../components/{drop}\n", "")
+            if add:  # last: a component patches what the ones before it added
+                last = text.rindex("  - ../../components/")
+                end = text.index("\n", last) + 1
+                text = text[:end] + f"  - ../../components/{add}\n" + text[end:]
             text = text.replace("../../", os.path.relpath(K8S, copy) + "/")  # kustomize refuses absolute roots
         (copy / file.name).write_text(text)
     proc = subprocess.run([str(KUBECTL), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"kubectl kustomize {overlay} without prometheus failed:\n{proc.stderr}"
+    assert proc.returncode == 0, f"kubectl kustomize {overlay} (-{drop} +{add}) failed:\n{proc.stderr}"
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
@@ -205,7 +210,7 @@ def without_prometheus(overlay: str, tmp_path: Path) -> list[dict]:
 def test_an_overlay_without_the_prometheus_component_needs_no_crd(overlay, tmp_path):
     import kubernetes_validate
 
-    docs = without_prometheus(overlay, tmp_path)
+    docs = render_variant(overlay, tmp_path, drop="prometheus")
     kinds = {d["kind"] for d in docs}
     assert CORE_KINDS <= kinds and not kinds & set(PROMETHEUS_OPERATOR_KINDS)
     assert all(d["apiVersion"].split("/")[0] != "monitoring.coreos.com" for d in docs)
@@ -214,6 +219,25 @@ def test_an_overlay_without_the_prometheus_component_needs_no_crd(overlay, tmp_p
     with_it = {(d["kind"], d["metadata"]["name"]) for d in render(f"overlays/{overlay}")}
     assert with_it - {(d["kind"], d["metadata"]["name"]) for d in docs} == {
         ("PodMonitor", "triton-specdec"), ("PrometheusRule", "triton-specdec")}
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_the_runtime_class_and_storage_class_components_reach_every_pod_and_claim(overlay, tmp_path):
+    import kubernetes_validate
+
+    (tmp_path / "runtime").mkdir()
+    docs = render_variant(overlay, tmp_path / "runtime", add="nvidia-runtime-class")
+    pods = [d for d in docs if d["kind"] in ("Deployment", "Job")]
+    assert {d["kind"] for d in pods} == {"Deployment", "Job"}
+    assert all(d["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia" for d in pods)
+    assert "runtimeClassName" not in str(render(f"overlays/{overlay}"))  # opt-in
+    (tmp_path / "storage").mkdir()
+    docs = render_variant(overlay, tmp_path / "storage", add="storage-class")
+    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert len(claims) == 2 and all(c["spec"]["storageClassName"] == "nfs-client"
+                                    and c["spec"]["accessModes"] == ["ReadWriteMany"] for c in claims)
+    for doc in pods + claims:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
