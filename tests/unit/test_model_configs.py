@@ -74,6 +74,16 @@ def test_trtllm_engine_settings(role):
     assert 0.0 < fraction < 1.0
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_trtllm_kv_cache_holds_every_sequence_at_its_longest(role):
+    """The KV cache is sized in tokens, so the split between the two engines does
+    not depend on which one Triton loads first: exactly the sequences the engine
+    batches in flight at the longest the build allows (docker/build_engines.sh)."""
+    config = model_config(engine_names("trtllm")[role], "trtllm")
+    tokens = int(parameter(config, "max_tokens_in_paged_kv_cache"))
+    assert tokens == int(script_default("MAX_BATCH_SIZE")) * int(script_default("MAX_SEQ_LEN"))
+
+
 def test_trtllm_kv_cache_split_fits_one_gpu():
     """Target and draft share one GPU and may load at the same time: their KV-cache
     fractions of the free memory must fit together, with room for activations."""
