@@ -67,7 +67,9 @@ TRTLLM_VERSION="${TRTLLM_VERSION:-0.17.0}"
 TRTLLM_EXAMPLES_DIR="${TRTLLM_EXAMPLES_DIR:-}"
 # Where the coordinator's configs are, to check speculation_window.
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-}"
-# FP8 calibration data (a local dataset directory); default: quantize.py's own.
+# FP8 calibration data: a local directory that datasets.load_dataset reads
+# with a "train" split and a "text" column (e.g. train.jsonl, one {"text": ...}
+# per line); default: quantize.py's own, cnn_dailymail from the Hugging Face Hub.
 CALIB_DATASET="${CALIB_DATASET:-}"
 CALIB_SIZE="${CALIB_SIZE:-512}"
 WORK_DIR="${WORK_DIR:-}"
@@ -201,6 +203,14 @@ case "${DRAFT_WEIGHT_ONLY}" in
     none | int8 | int4) ;;
     *) die "--draft-weight-only must be none, int8 or int4, got '${DRAFT_WEIGHT_ONLY}'" ;;
 esac
+if [ -n "${CALIB_DATASET}" ]; then
+    [ -d "${CALIB_DATASET}" ] \
+        || die "--calib-dataset ${CALIB_DATASET} is not a directory: give a local dataset directory with a train split and a text column (e.g. train.jsonl)"
+    [ "${DTYPE}" = "fp8" ] || [ "${DRAFT_DTYPE}" = "fp8" ] \
+        || log "warning: --calib-dataset is used only by fp8 builds; this build is ${DTYPE}/${DRAFT_DTYPE}"
+elif [ "${DTYPE}" = "fp8" ] || [ "${DRAFT_DTYPE}" = "fp8" ]; then
+    log "fp8 calibration downloads cnn_dailymail from the Hugging Face Hub (HTTPS); without network, pass --calib-dataset DIR"
+fi
 if [ "${DRAFT_WEIGHT_ONLY}" != "none" ] && [ "${DRAFT_DTYPE}" = "fp8" ]; then
     die "--draft-weight-only ${DRAFT_WEIGHT_ONLY} needs a bfloat16 or float16 draft (--draft-dtype), not fp8"
 fi
@@ -326,7 +336,7 @@ if [ "${DRY_RUN}" != "1" ]; then
             *) die "fp8 needs compute capability >= 8.9 (H100: 9.0); this GPU reports '${capability}' (A100 is 8.0: use bfloat16)" ;;
         esac
         python3 -c 'import datasets' 2>/dev/null \
-            || die "fp8 calibration needs the 'datasets' package: pip install --user datasets==3.2.0 first (README, Deploying on GPUs)"
+            || die "fp8 calibration needs the 'datasets' package, which the serving image (docker/Dockerfile.trtllm) installs: run this inside that image"
     fi
 fi
 

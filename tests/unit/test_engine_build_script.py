@@ -181,6 +181,30 @@ def test_dry_run_fp8_and_tensor_parallel(checkpoints):
     assert flag(target, "--workers") == "2"
 
 
+def test_fp8_calibration_data_from_a_local_directory_or_the_hub(checkpoints):
+    """quantize.py reads a local directory (train split, text column) or
+    downloads cnn_dailymail: the script says which, and refuses a path that is
+    not a directory before anything runs."""
+    from_hub = dry_run(checkpoints, "--dtype", "fp8")
+    assert from_hub.returncode == 0, from_hub.stderr
+    assert "Hugging Face Hub" in from_hub.stderr
+    assert all("--calib_dataset" not in w for w in commands(from_hub, "python3"))
+
+    calibration = checkpoints / "calibration"
+    calibration.mkdir()
+    (calibration / "train.jsonl").write_text('{"text": "def add(a, b):\\n    return a + b\\n"}\n')
+    local = dry_run(checkpoints, "--dtype", "fp8", "--calib-dataset", str(calibration))
+    assert local.returncode == 0, local.stderr
+    assert "Hugging Face Hub" not in local.stderr
+    quantize = [w for w in commands(local, "python3") if w[1].endswith("quantization/quantize.py")]
+    assert [flag(w, "--calib_dataset") for w in quantize] == [str(calibration)] * 2
+
+    missing = dry_run(checkpoints, "--dtype", "fp8", "--calib-dataset", str(checkpoints / "nowhere"))
+    assert missing.returncode != 0
+    assert "--calib-dataset" in missing.stderr and "not a directory" in missing.stderr
+    assert not commands(missing, "python3")
+
+
 def test_dry_run_bf16_converts_with_the_family_script(checkpoints):
     result = dry_run(checkpoints, "--draft-tp-size", "1", "--tp-size", "2")
     assert result.returncode == 0, result.stderr
