@@ -15,6 +15,12 @@ MODEL_REPOSITORY="${SPECDEC_MODEL_REPOSITORY:-/opt/specdec/model_repository}"
 export SPECDEC_TOKENIZER_DIR="${SPECDEC_TOKENIZER_DIR:-${ENGINE_DIR}/tokenizer}"
 OPENAI_PORT="${SPECDEC_OPENAI_PORT:-9000}"
 WATCHDOG_PORT="${SPECDEC_WATCHDOG_PORT:-8003}"
+# Seconds an engine may stay down (its reload included) before the watchdog's
+# /livez fails and the container is restarted: a reload that hangs never
+# ends on its own (Triton keeps a decoupled model unloading while calls to it
+# are open, triton-inference-server/server#7626). Loading an engine takes
+# seconds to a couple of minutes; 0: no limit.
+ENGINE_DOWN_LIMIT="${SPECDEC_ENGINE_DOWN_LIMIT:-180}"
 
 die() {
     echo "specdec-trtllm: error: $*" >&2
@@ -46,6 +52,9 @@ case "${OPENAI_PORT}" in
 esac
 case "${WATCHDOG_PORT}" in
     "" | *[!0-9]*) die "SPECDEC_WATCHDOG_PORT must be a port number (0: no watchdog metrics), got '${WATCHDOG_PORT}'" ;;
+esac
+case "${ENGINE_DOWN_LIMIT}" in
+    "" | *[!0-9]*) die "SPECDEC_ENGINE_DOWN_LIMIT must be a whole number of seconds (0: no limit), got '${ENGINE_DOWN_LIMIT}'" ;;
 esac
 
 # Engines load only in the TensorRT-LLM release that built them; a post-release
@@ -141,6 +150,17 @@ fi
 # launch_triton_server.py --multi-model does), hence mpirun -n 1.
 export TRTLLM_ORCHESTRATOR=1
 export TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1
+# The orchestrator and its workers talk through OpenMPI, here as the
+# unprivileged user with every capability dropped and a read-only root
+# filesystem (k8s/base/deployment.yaml). OpenMPI's session directory goes to
+# TMPDIR (/tmp, writable). Its shared-memory transport copies large messages
+# with process_vm_readv (CMA), which needs ptrace rights over the peer: the
+# workers are spawned by OpenMPI's daemon, not by tritonserver, so with the
+# usual Yama ptrace_scope 1 and no CAP_SYS_PTRACE (a non-root process gets no
+# added capability in Kubernetes anyway) the copy would fail. Without it,
+# messages go through the /dev/shm segment in two copies instead of one.
+export TMPDIR="${TMPDIR:-/tmp}"
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 cuda_pools=()
 gpu_count="$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)"
@@ -207,12 +227,14 @@ fi
 # 5 s; an engine that fails two in a row (an executor or orchestrator process
 # died, or it stopped answering for 30 s) is loaded again through the
 # model-repository API (the target unloaded first, so the server is not ready
-# meanwhile; the draft in place). Only this process gets the admin key, in its own
+# meanwhile; the draft in place). Its /livez on the watchdog port is the
+# Kubernetes liveness probe: tritonserver live, and no engine down for longer
+# than SPECDEC_ENGINE_DOWN_LIMIT. Only this process gets the admin key, in its own
 # environment (the watchdog drops it and the API key, which its probes send, from
 # there at start).
 if [ "${SPECDEC_WATCHDOG:-1}" != "0" ]; then
     SPECDEC_ADMIN_KEY="${admin_key}" SPECDEC_API_KEY="${api_key}" python3 -m selfheal.watchdog --detect probe --probe-interval 5 \
-        --probe-timeout 30 --load-timeout 600 --wait-for-server 3600 \
+        --probe-timeout 30 --load-timeout 600 --down-limit "${ENGINE_DOWN_LIMIT}" --wait-for-server 3600 \
         --metrics-address 0.0.0.0 --metrics-port "${WATCHDOG_PORT}" &
     children+=("$!")
 fi

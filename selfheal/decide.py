@@ -97,3 +97,19 @@ class EngineHealth:
         self._reloads.append(now)
         self.state = RELOADING
         return Reload(self.model, reason)
+
+
+def engines_alive(engines, now: float, down_limit: float) -> tuple[bool, str]:
+    """Whether the engines allow the container to live on: none given up, and
+    none down longer than ``down_limit`` seconds (0: no limit). A reload that
+    hangs (Triton keeps a decoupled model unloading while calls to it are open,
+    triton-inference-server/server#7626) never ends in a give-up of its own;
+    the limit turns it into a failed liveness probe and a container restart."""
+    for health in engines:
+        if health.state == FAILED:
+            return False, f"{health.model} was given up: {health.reason}"
+        if down_limit and health.down_since is not None and now - health.down_since > down_limit:
+            return False, (f"{health.model} has been down for {now - health.down_since:.0f} s "
+                           f"(limit {down_limit:g} s): {health.reason}")
+    return True, "ok"
+

@@ -1,6 +1,7 @@
-"""The watchdog's metrics in Prometheus' text format on a port of its own
-(Triton's metrics port serves only what models register, and the engines'
-state must be known even when no request reaches the coordinator).
+"""The watchdog's metrics in Prometheus' text format, and a liveness
+endpoint, on a port of its own (Triton's metrics port serves only what models
+register, and the engines' state must be known even when no request reaches
+the coordinator).
 
 Written without prometheus-client: the watchdog also runs in the GPU image,
 whose Python packages keep TensorRT-LLM's pins and do not include it, and
@@ -39,17 +40,27 @@ def render(engines: Iterable[EngineHealth]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve(address: str, port: int, engines: Callable[[], Iterable[EngineHealth]]) -> ThreadingHTTPServer:
-    """Answer GET /metrics on ``address``:``port`` from a daemon thread."""
+def serve(address: str, port: int, engines: Callable[[], Iterable[EngineHealth]],
+          live: Callable[[], tuple[bool, str]] | None = None) -> ThreadingHTTPServer:
+    """Answer GET /metrics, and GET /livez (200, or 503 with the reason: a
+    liveness probe) when ``live`` is given, on ``address``:``port`` from a
+    daemon thread."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path.split("?")[0] != "/metrics":
+            path = self.path.split("?")[0]
+            if path == "/metrics":
+                self.answer(200, render(engines()), "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/livez" and live is not None:
+                ok, reason = live()
+                self.answer(200 if ok else 503, reason + "\n", "text/plain; charset=utf-8")
+            else:
                 self.send_error(404)
-                return
-            body = render(engines()).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+
+        def answer(self, status: int, text: str, content_type: str) -> None:
+            body = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -19,6 +19,15 @@ def local_url(address: str, port: int) -> str:
     return f"http://{local_host(address)}:{port}"
 
 
+def answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 within ``timeout`` seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def wait_for(process: subprocess.Popen | None, url: str, name: str, timeout: float) -> None:
     """Until ``url`` answers 200; an error naming ``name`` if its process
     (None: started elsewhere) exits first or the time runs out."""
@@ -27,11 +36,7 @@ def wait_for(process: subprocess.Popen | None, url: str, name: str, timeout: flo
         code = None if process is None else process.poll()
         if code is not None:
             raise RuntimeError(f"{name} exited with code {code} before it was ready (see its log above)")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        if answers(url):
+            return
         time.sleep(0.5)
     raise TimeoutError(f"{name} was not ready within {timeout:.0f} s ({url})")

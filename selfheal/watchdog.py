@@ -18,7 +18,7 @@ import time
 
 from coordinator.request.access import API_KEY_VAR, api_key_from_env
 from selfheal import exposition, probe, readiness, stubs, triton_admin
-from selfheal.decide import EngineHealth, GiveUp, Reload, Settings
+from selfheal.decide import EngineHealth, GiveUp, Reload, Settings, engines_alive
 
 DETECTORS = ("stubs", "probe")
 
@@ -160,6 +160,9 @@ def parse_args(argv=None):
     parser.add_argument("--window", type=float, default=Settings.window_seconds,
                         help="seconds over which --max-reloads are counted")
     parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds an unload or a load may take")
+    parser.add_argument("--down-limit", type=float, default=0.0,
+                        help="/livez fails once an engine has been down this many seconds (a reload that hangs); "
+                             "0: only when tritonserver is not live or an engine was given up")
     parser.add_argument("--wait-for-server", type=float, default=0.0,
                         help="first wait this many seconds at most for Triton to be ready")
     parser.add_argument("--metrics-address", default="127.0.0.1")
@@ -173,7 +176,21 @@ def parse_args(argv=None):
     unknown = set(args.detect) - set(DETECTORS)
     if unknown or not args.detect:
         parser.error(f"--detect takes {', '.join(DETECTORS)}; got {', '.join(sorted(unknown)) or 'nothing'}")
+    if args.down_limit < 0:
+        parser.error(f"--down-limit must be >= 0 seconds (0: no limit), got {args.down_limit:g}")
     return args
+
+
+def liveness(args, watchers: list[Watcher]):
+    """/livez: tritonserver live and the engines within their down limit, so
+    one probe on the watchdog's port covers a hung server and a hung reload."""
+
+    def live() -> tuple[bool, str]:
+        if not readiness.answers(f"{args.http_url}/v2/health/live", timeout=3.0):
+            return False, "tritonserver is not live"
+        return engines_alive([w.health for w in watchers], time.monotonic(), args.down_limit)
+
+    return live
 
 
 def main(argv=None) -> int:
@@ -199,7 +216,8 @@ def main(argv=None) -> int:
     watchers = [Watcher(model, args, admin_key, settings, stop, api_key) for model in args.models]
     if args.metrics_port:
         try:
-            exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers])
+            exposition.serve(args.metrics_address, args.metrics_port, lambda: [w.health for w in watchers],
+                             liveness(args, watchers))
         except OSError as error:
             say(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port}: {error} "
                 f"(choose another port with {exposition.PORT_VAR}; 0: no metrics)")
@@ -208,7 +226,8 @@ def main(argv=None) -> int:
     for thread in threads:
         thread.start()
     say(f"watching {', '.join(args.models)} ({'+'.join(args.detect)}, every {args.interval:g} s)"
-        + (f"; metrics on {args.metrics_address}:{args.metrics_port}/metrics" if args.metrics_port else ""))
+        + (f"; metrics and liveness on {args.metrics_address}:{args.metrics_port} (/metrics, /livez)"
+               if args.metrics_port else ""))
     try:
         while not stop.wait(1.0):
             pass

@@ -339,17 +339,20 @@ def test_server_ports_and_probes(overlay):
     triton = container(spec, "triton")
     ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "watchdog": 8003, "openai": 9000}
+    # On the GPU overlays the watchdog's /livez is the liveness probe: Triton
+    # live and no engine down past its limit (a hung reload restarts the pod).
+    gpu = overlay != "cpu"
     expected = {
-        "startupProbe": "/v2/health/ready",
-        "readinessProbe": "/v2/health/ready",
-        "livenessProbe": "/v2/health/live",
+        "startupProbe": ("/v2/health/ready", "http"),
+        "readinessProbe": ("/v2/health/ready", "http"),
+        "livenessProbe": ("/livez", "watchdog") if gpu else ("/v2/health/live", "http"),
     }
-    for probe, path in expected.items():
+    for probe, (path, port) in expected.items():
         assert probe in triton, f"{probe} missing"
         assert "httpGet" in triton[probe], f"{probe} has no httpGet check"
         http = triton[probe]["httpGet"]
         assert http["path"] == path, probe
-        assert http["port"] in ("http", 8000), probe
+        assert http["port"] in (port, ports[port]), probe
     startup = triton["startupProbe"]
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= 600, "engines and weights take minutes to load: give the startup probe 10 minutes at least"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -170,6 +171,67 @@ def test_metrics_are_served():
             assert 'specdec_engine_up{model="draft"} 1' in response.read().decode()
     finally:
         server.shutdown()
+
+
+def test_liveness_fails_when_an_engine_stays_down_past_the_limit_or_was_given_up():
+    engine = EngineHealth("target", Settings(failures_to_act=1, max_reloads=1))
+    assert decide.engines_alive([engine], 0.0, 60.0) == (True, "ok")
+    assert isinstance(engine.checked(False, "probe timed out", 100.0), Reload)
+    assert decide.engines_alive([engine], 150.0, 60.0)[0]  # reloading, within the limit
+    ok, reason = decide.engines_alive([engine], 161.0, 60.0)  # the reload hangs
+    assert not ok and "target" in reason and "61 s" in reason and "limit 60 s" in reason
+    assert decide.engines_alive([engine], 10_000.0, 0.0)[0]  # no limit
+    engine.reloaded(True, "", 170.0)
+    assert decide.engines_alive([engine], 10_000.0, 60.0)[0]  # back up: the clock is gone
+    assert isinstance(engine.checked(False, "probe timed out", 200.0), GiveUp)  # one reload per window
+    ok, reason = decide.engines_alive([engine], 211.0, 0.0)
+    assert not ok and "given up" in reason
+
+
+def test_livez_is_served_with_the_reason():
+    from tests.conftest import free_port
+
+    verdict = [(True, "ok")]
+    port = free_port()
+    server = exposition.serve("127.0.0.1", port, lambda: [EngineHealth("draft")], lambda: verdict[0])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=10) as response:
+            assert response.status == 200
+        verdict[0] = (False, "draft has been down for 200 s")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=10)
+        assert refused.value.code == 503
+        assert "draft has been down" in refused.value.read().decode()
+    finally:
+        server.shutdown()
+
+
+def test_livez_asks_tritonserver_first(monkeypatch):
+    args = watchdog.parse_args(["--down-limit", "30"])
+    watcher = SimpleNamespace(health=EngineHealth("target"))
+    live = watchdog.liveness(args, [watcher])
+    monkeypatch.setattr(watchdog.readiness, "answers", lambda url, timeout: False)
+    assert live() == (False, "tritonserver is not live")
+    monkeypatch.setattr(watchdog.readiness, "answers", lambda url, timeout: url.endswith("/v2/health/live"))
+    assert live() == (True, "ok")
+    with pytest.raises(SystemExit):
+        watchdog.parse_args(["--down-limit", "-1"])
+
+
+def test_the_trtllm_entrypoint_starts_the_watchdog_with_flags_it_accepts():
+    """The GPU image's watchdog command line (docker/trtllm-entrypoint.sh), its
+    variables filled in, parses; the down limit is passed and checked at start."""
+    script = (Path(__file__).resolve().parents[2] / "docker" / "trtllm-entrypoint.sh").read_text()
+    line = next(line for line in script.splitlines() if "python3 -m selfheal.watchdog" in line)
+    start = script.index(line)
+    command = script[start:script.index("&\n", start)].replace("\\\n", " ")
+    words = command.split("-m selfheal.watchdog", 1)[1].split()
+    filled = [w.replace('"${ENGINE_DOWN_LIMIT}"', "180").replace('"${WATCHDOG_PORT}"', "8003") for w in words]
+    args = watchdog.parse_args(filled)
+    assert args.down_limit == 180 and args.detect == ["probe"]
+    assert 'ENGINE_DOWN_LIMIT="${SPECDEC_ENGINE_DOWN_LIMIT:-180}"' in script
+    assert "SPECDEC_ENGINE_DOWN_LIMIT must be a whole number" in script
+    assert "export OMPI_MCA_btl_vader_single_copy_mechanism=none" in script
 
 
 # ------------------------------------------------------ probe and admin ----
