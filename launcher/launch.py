@@ -226,7 +226,7 @@ def server_environment(options: ServerOptions, pair: PreparedPair, install: trit
             "SPECDEC_TARGET_MODEL_DIR": str(pair.target_dir),
             "SPECDEC_DRAFT_MODEL_DIR": str(pair.draft_dir),
             "SPECDEC_TOKENIZER_DIR": str(pair.tokenizer_dir),
-            profiles.PRESET_VAR: options.sim_preset,
+            profiles.PRESET_VAR: profiles.absolute(options.sim_preset),  # a table's path, absolute
         }
     )
     for name, value in ENGINE_ENV_DEFAULTS.items():  # a value already in the environment wins
@@ -298,8 +298,9 @@ def _parse_args(argv: list[str] | None) -> ServerOptions:
                         help=f"engines: {' or '.join(profiles.SERVABLE)} (simulated GPU engines, no weights: "
                              f"sim_engine/) [{profiles.PROFILE_VAR}, cpu]")
     parser.add_argument("--sim-preset", default=env.get(profiles.PRESET_VAR, profiles.DEFAULT_PRESET),
-                        help=f"the sim profile's step times and acceptance: {', '.join(profiles.PRESETS)} "
-                             f"[{profiles.PRESET_VAR}, {profiles.DEFAULT_PRESET}]")
+                        help=f"the sim profile's step times and acceptance: {', '.join(profiles.PRESETS)}, "
+                             "or a timing table of tools/gpu_timing.py, TABLE.json (its first pair) or "
+                             f"TABLE.json#PAIR [{profiles.PRESET_VAR}, {profiles.DEFAULT_PRESET}]")
     parser.add_argument("--allow-open-inference", action="store_true",
                         default=env.get(ALLOW_OPEN_INFERENCE_VAR, "") == "1",
                         help=f"serve inference without {API_KEY_VAR} on an address beyond loopback (a gateway in "

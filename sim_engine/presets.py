@@ -3,11 +3,19 @@
 A forward's time is ``base + per_row * (rows - 1)`` milliseconds, rows being
 all the tokens it carries (prefill rows cost as decode rows). Nothing
 GPU-related is claimed from the sim except what the coordinator costs and
-decides: the numbers are fixed so that runs compare, not measured here."""
+decides: the numbers are fixed so that runs compare, not measured here.
+
+A preset is named (``PRESETS``) or is a timing table that tools/gpu_timing.py
+wrote: ``path.json`` (its first pair) or ``path.json#pair`` (the pair of that
+name). ``preset`` resolves both, so the launcher's check at start, the Triton
+sim engine and the tools accept the same values."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_PRESET = "h100-8b-1b"
 
@@ -75,11 +83,124 @@ class UnknownPreset(ValueError):
     pass
 
 
+TABLE_SUFFIX = ".json"
+
+
+def is_table(name: str) -> bool:
+    """A value whose path (before an optional ``#pair``) ends in .json names a timing table."""
+    return name.partition("#")[0].endswith(TABLE_SUFFIX)
+
+
 def preset(name: str) -> Preset:
+    if is_table(name):
+        path, _, pair = name.partition("#")
+        return preset_from_table(path, pair or None)
     try:
         return PRESETS[name]
     except KeyError:
-        raise UnknownPreset(f"unknown sim preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        raise UnknownPreset(f"unknown sim preset {name!r}; valid presets: {', '.join(PRESETS)}, or a timing "
+                            f"table path{TABLE_SUFFIX}[#pair] (tools/gpu_timing.py)") from None
+
+
+def absolute(name: str) -> str:
+    """``name`` with a table's path made absolute: the Triton model that reads it
+    does not run in the launcher's working directory."""
+    if not is_table(name):
+        return name
+    path, hash_, pair = name.partition("#")
+    return f"{Path(path).expanduser().resolve()}{hash_}{pair}"
+
+
+# -- timing tables (tools/gpu_timing.py) ---------------------------------------
+
+ACCEPTANCE_DEFAULTS = DEFAULT_PRESET  # a timing table holds step times only; its acceptance comes from here
+
+
+def preset_from_table(path: str | Path, pair: str | None = None) -> Preset:
+    """The preset of one pair of a timing table: its fitted step times, and the
+    acceptance from the table where it has one (it never does as the tool
+    writes it: random weights say nothing about agreement), else DEFAULT_PRESET's."""
+    table = _read_table(Path(path))
+    entry = _pair(table, path, pair)
+    where = f"sim preset table {path}, pair {entry['name']!r}"
+    fields = entry.get("preset")
+    if not isinstance(fields, dict):
+        raise UnknownPreset(f"{where}: no field 'preset' (the fitted step times)")
+    target, draft = _step(fields, "target", where), _step(fields, "draft", where)
+    fallback = PRESETS[ACCEPTANCE_DEFAULTS]
+    agreement = _fraction(fields, "agreement", fallback.agreement, where)
+    second_choice = _fraction(fields, "second_choice", fallback.second_choice, where)
+    return Preset(f"{path}#{entry['name']}", target, draft, agreement, second_choice,
+                  _table_source(table, entry, path, [k for k in ("agreement", "second_choice") if k in fields]))
+
+
+def _read_table(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise UnknownPreset(f"sim preset table {path}: cannot read it ({error.strerror or error})") from None
+    try:
+        table = json.loads(text)
+    except ValueError as error:
+        raise UnknownPreset(f"sim preset table {path}: not valid JSON ({error})") from None
+    pairs = table.get("pairs") if isinstance(table, dict) else None
+    if not isinstance(pairs, list) or not pairs or not all(isinstance(p, dict) and "name" in p for p in pairs):
+        raise UnknownPreset(f"sim preset table {path}: no field 'pairs' (a non-empty list of named pairs, as "
+                            "tools/gpu_timing.py writes it)")
+    return table
+
+
+def _pair(table: dict, path, name: str | None) -> dict:
+    pairs = table["pairs"]
+    if name is None:
+        return pairs[0]
+    for entry in pairs:
+        if entry["name"] == name:
+            return entry
+    raise UnknownPreset(f"sim preset table {path}: no pair {name!r}; pairs in the file: "
+                        f"{', '.join(str(p['name']) for p in pairs)}")
+
+
+def _step(fields: dict, role: str, where: str) -> StepTime:
+    step = fields.get(role)
+    if not isinstance(step, dict):
+        raise UnknownPreset(f"{where}: no field 'preset.{role}' (base_ms and per_row_ms)")
+    base = _number(step, "base_ms", f"preset.{role}", where)
+    per_row = _number(step, "per_row_ms", f"preset.{role}", where)
+    if base <= 0:
+        raise UnknownPreset(f"{where}: field 'preset.{role}.base_ms' must be above 0, got {base}")
+    return StepTime(base, per_row)
+
+
+def _number(fields: dict, key: str, prefix: str, where: str) -> float:
+    if key not in fields:
+        raise UnknownPreset(f"{where}: no field '{prefix}.{key}'")
+    value = fields[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise UnknownPreset(f"{where}: field '{prefix}.{key}' must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _fraction(fields: dict, key: str, default: float, where: str) -> float:
+    if key not in fields:
+        return default
+    value = _number(fields, key, "preset", where)
+    if value > 1:
+        raise UnknownPreset(f"{where}: field 'preset.{key}' must be a probability (0 to 1), got {value}")
+    return value
+
+
+def _table_source(table: dict, entry: dict, path, from_table: list[str]) -> str:
+    machine = table.get("machine", {}) if isinstance(table.get("machine"), dict) else {}
+    tiny = " TINY test configs, not the real architectures:" if table.get("tiny") else ""
+    acceptance = {0: f"acceptance from the {ACCEPTANCE_DEFAULTS} preset (a timing table holds none)",
+                  1: f"{' '.join(from_table)} from the table, the rest of the acceptance from the "
+                     f"{ACCEPTANCE_DEFAULTS} preset",
+                  2: "acceptance from the table"}[len(from_table)]
+    return (f"Timing table {path}, pair {entry['name']}:{tiny} step times fitted at context "
+            f"{entry.get('context', '?')} on {machine.get('device', 'an unnamed device')} with Hugging Face "
+            f"PyTorch forwards of random weights (tools/gpu_timing.py; an upper bound on an engine's step times); "
+            f"{acceptance}.")
 
 
 def expected_tokens(agreement: float, window: int) -> float:

@@ -174,10 +174,19 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sim_engine.presets import DEFAULT_PRESET, PRESETS
+    from sim_engine.presets import DEFAULT_PRESET, PRESETS, UnknownPreset, preset
+
+    def known_preset(value: str) -> str:
+        try:
+            preset(value)
+        except UnknownPreset as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
 
     parser = argparse.ArgumentParser(prog="specdec-sim-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
+    parser.add_argument("--preset", default=DEFAULT_PRESET, type=known_preset,
+                        help=f"{', '.join(PRESETS)}, or a timing table of tools/gpu_timing.py: TABLE.json "
+                             "(its first pair) or TABLE.json#PAIR")
     parser.add_argument("--streams", default="1,4,16,32", help="stream counts, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=8, help="requests per level (at least one per stream)")
