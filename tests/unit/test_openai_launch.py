@@ -84,7 +84,8 @@ def entrypoint_tail(tmp_path, openai_port: str, **env) -> tuple[list[str], dict,
     tail = text[text.index("children=()"):]
     program = ('restricted=x; admin_key=k; api_key=the-api-key; inference_flags=(--inference-flag); '
                'MODEL_REPOSITORY=/models; cuda_pools=(); '
-               f'SPECDEC_TOKENIZER_DIR=/engines/tokenizer; OPENAI_PORT={openai_port}; WATCHDOG_PORT=8003\n' + tail)
+               f'SPECDEC_TOKENIZER_DIR=/engines/tokenizer; OPENAI_PORT={openai_port}; WATCHDOG_PORT=8003; '
+               'ENGINE_DOWN_LIMIT=180\n' + tail)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, var in (("mpirun", "TRITON"), ("python3", "FRONTEND")):
