@@ -12,8 +12,10 @@ Who runs which implementation:
   functions, so they are the executable statement of the rule that the
   lossless tests (tests/unit/test_rejection_sampling.py) check exactly.
 
-Chain rules only: one candidate per position. A rule over several candidates
-(a token tree) goes next to them, with its own exact-distribution test.
+Chain rules only: one candidate per position. The rules over several
+candidates (token trees, sampled with or without replacement, or matched) are in
+coordinator/verification/tree.py, which reduces to these on a chain; their exact
+distributions are checked by tests/unit/test_tree_verification.py.
 """
 
 from __future__ import annotations
