@@ -303,6 +303,23 @@ if [ -n "${MODEL_REPOSITORY}" ]; then
             die "--max-input-len ${MAX_INPUT_LEN} is below max_context_tokens ${context} in ${config}"
         fi
     done
+    # The engines' configs size Triton's batch and the KV cache for the default
+    # build; a build for more sequences or longer ones needs them raised too.
+    for role in target draft; do
+        config="${MODEL_REPOSITORY}/${role}/configs/trtllm.pbtxt"
+        [ -f "${config}" ] || continue
+        batch="$(awk '/^max_batch_size:/ { print $2; exit }' "${config}")"
+        if [ -n "${batch}" ] && [ "${batch}" != "${MAX_BATCH_SIZE}" ]; then
+            log "warning: ${config} has max_batch_size ${batch}, this build --max-batch-size ${MAX_BATCH_SIZE}: set them equal"
+        fi
+        tokens="$(config_parameter "${config}" max_tokens_in_paged_kv_cache)"
+        needed=$((MAX_BATCH_SIZE * MAX_SEQ_LEN))
+        if [ -n "${tokens}" ] && [ "${tokens}" -lt "${needed}" ]; then
+            log "warning: ${config} sizes the ${role}'s KV cache at ${tokens} tokens, fewer than" \
+                "${MAX_BATCH_SIZE} sequences of ${MAX_SEQ_LEN} (${needed}): set max_tokens_in_paged_kv_cache to ${needed}" \
+                "there, or fewer sequences will run at their longest"
+        fi
+    done
 else
     log "warning: no model repository found; speculation_window not checked"
 fi

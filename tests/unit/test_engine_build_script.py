@@ -585,3 +585,22 @@ def test_the_image_build_refuses_a_pin_that_is_no_release(tmp_path):
     assert run.returncode != 0
     assert "TRTLLM_VERSION 0.17.0rc1 is not a release version" in run.stderr
     assert "pip-ran" not in run.stdout
+
+
+def test_a_build_for_more_or_longer_sequences_names_the_configs_to_raise(checkpoints):
+    """The trtllm configs size Triton's batch and the KV cache (in tokens) for the
+    default build; a build beyond them says which setting to raise, and to what."""
+    default = dry_run(checkpoints)
+    assert default.returncode == 0, default.stderr
+    assert "max_tokens_in_paged_kv_cache" not in default.stderr and "max_batch_size" not in default.stderr
+
+    longer = dry_run(checkpoints, "--max-seq-len", "9216")
+    assert longer.returncode == 0, longer.stderr
+    needed = int(script_default("MAX_BATCH_SIZE")) * 9216
+    for role in ("target", "draft"):
+        assert f"the {role}'s KV cache" in longer.stderr
+    assert f"set max_tokens_in_paged_kv_cache to {needed}" in longer.stderr
+
+    wider = dry_run(checkpoints, "--max-batch-size", "128")
+    assert wider.returncode == 0, wider.stderr
+    assert "max_batch_size 64, this build --max-batch-size 128" in wider.stderr
