@@ -5,7 +5,9 @@ so one instance serves many streams at once; each request's loop lives in
 ``coordinator.decoding.generation``.
 
 Engine calls run ``InferenceRequest.exec`` on a thread pool of their own, and
-every response of a decoupled call is awaited from that pool too, because:
+a decoupled call's responses are read there too: a stream's one by one, a
+draft's or a verification's (whose reader needs them all) in the same job as
+the call, because:
 
 * ``async_exec(decoupled=True)`` of the Python backend up to Triton 2.51
   (python_backend r24.10) captures a local ``shared_ptr`` by reference in
@@ -101,19 +103,19 @@ class BlsEngine:
         tensors = self._inputs(input_ids, max_new_tokens, sampling, draft_tokens=draft_tokens,
                                draft_logits=draft_logits, return_logits=return_logits)
         tokens, logits, log_probs = [], [], []
-        async with aclosing(self._responses(tensors, return_logits, sampling.log_probs)) as responses:
-            async for response in responses:
-                new = _tokens(response)
-                if new is None:  # a decoupled model's final flag alone
-                    continue
-                tokens += new
-                if sampling.log_probs:
-                    log_probs += _log_probs(response, len(new), self.model_name)
-                if return_logits:
-                    tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
-                    if tensor is None:
-                        raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
-                    logits.append(generation_logits(tensor.as_numpy(), len(new)))
+        outputs = self._outputs(return_logits, sampling.log_probs)
+        for response in await bls_all_responses(self.model_name, tensors, outputs, self.decoupled):
+            new = _tokens(response)
+            if new is None:  # a decoupled model's final flag alone
+                continue
+            tokens += new
+            if sampling.log_probs:
+                log_probs += _log_probs(response, len(new), self.model_name)
+            if return_logits:
+                tensor = pb_utils.get_output_tensor_by_name(response, "generation_logits")
+                if tensor is None:
+                    raise EngineError(f"{self.model_name}: generation_logits were requested but not returned")
+                logits.append(generation_logits(tensor.as_numpy(), len(new)))
         reported = log_probs if sampling.log_probs else None
         if not return_logits:
             return EngineOutput(tokens, None, reported)
@@ -128,7 +130,8 @@ class BlsEngine:
             "specdec.input_tokens": len(input_ids), "specdec.max_new_tokens": max_new_tokens})
         returned = 0
         try:
-            async with aclosing(self._responses(tensors, False, sampling.log_probs)) as responses:
+            outputs = self._outputs(False, sampling.log_probs)
+            async with aclosing(bls_responses(self.model_name, tensors, outputs, self.decoupled)) as responses:
                 async for response in responses:
                     new = _tokens(response)
                     if new:
@@ -147,20 +150,46 @@ class BlsEngine:
         return engine_inputs(input_ids, max_new_tokens, sampling, end_id=end_id, stop_ids=stop_ids,
                              pad_id=self.special.pad_token_id, seed_input=self.seed_input, **options)
 
-    def _responses(self, tensors: dict, return_logits: bool, return_log_probs: bool = False):
-        """The call's responses: one from a model that is not decoupled, a stream from one that is."""
-        outputs = (list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
-                   + (["output_log_probs"] if return_log_probs else []))
-        return bls_responses(self.model_name, tensors, outputs, self.decoupled)
+    @staticmethod
+    def _outputs(return_logits: bool, return_log_probs: bool) -> list[str]:
+        return (list(REQUESTED_OUTPUTS) + (["generation_logits"] if return_logits else [])
+                + (["output_log_probs"] if return_log_probs else []))
 
 
-async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
-    """The responses of a BLS call to ``model_name`` (raises EngineError on an error response)."""
-    request = pb_utils.InferenceRequest(
+def _request(model_name: str, tensors: dict, outputs: Sequence[str]):
+    return pb_utils.InferenceRequest(
         model_name=model_name,
         inputs=[pb_utils.Tensor(name, array) for name, array in tensors.items()],
         requested_output_names=list(outputs),
     )
+
+
+def _checked(model_name: str, response):
+    if response.has_error():
+        raise EngineError(f"{model_name}: {response.error().message()}")
+    return response
+
+
+async def bls_all_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool) -> list:
+    """Every response of a BLS call whose reader needs them all before it acts
+    (a draft's proposal, a verification): the call and all its responses are
+    read in one job on the engine-call pool. Read one by one, as a stream is,
+    they cost a thread hop each plus one for the call, and the hop's wake-up
+    was the largest share of the coordinator's time per round at GPU step
+    times (docs/gpu.md). Raises EngineError on an error response."""
+    request = _request(model_name, tensors, outputs)
+    if decoupled:
+        responses = await _engine_answer(model_name, lambda: list(request.exec(decoupled=True)))
+    else:
+        responses = [await _engine_answer(model_name, request.exec)]
+    return [_checked(model_name, response) for response in responses]
+
+
+async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
+    """The responses of a BLS call to ``model_name`` as they come, for a reader
+    that acts on each (plain decoding's stream; raises EngineError on an error
+    response)."""
+    request = _request(model_name, tensors, outputs)
     if decoupled:
         stream = await _engine_answer(model_name, lambda: request.exec(decoupled=True))
 
@@ -171,19 +200,20 @@ async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], 
 
         async def next_response():  # already here: no thread hop
             return next(single, None)
+    ended = False
     try:
         while (response := await next_response()) is not None:
-            if response.has_error():
-                raise EngineError(f"{model_name}: {response.error().message()}")
-            yield response
+            yield _checked(model_name, response)
+        ended = True
     finally:
         # A reader that stops early (a cancelled request, a stop word) still
         # takes the rest of the stream, so the model's request is released;
         # bounded, because a stream whose request Triton cancelled may never end.
-        try:
-            await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
-        except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
-            log.info("%s: left a response stream unread: %r", model_name, error)
+        if not ended:
+            try:
+                await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
+            except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
+                log.info("%s: left a response stream unread: %r", model_name, error)
 
 
 async def _engine_answer(model_name: str, call, *args):

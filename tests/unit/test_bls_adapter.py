@@ -140,6 +140,37 @@ def test_a_call_waiting_for_its_engine_does_not_hold_other_calls(bls):
     assert readers and all(name.startswith("engine-call") for name in readers)
 
 
+def test_a_draft_or_verification_call_takes_one_thread_hop_however_many_responses(bls, monkeypatch):
+    """generate reads the call and all its responses in one job on the
+    engine-call pool; a stream still hops per response, as its reader acts on
+    each (the hops' wake-ups dominated the coordinator's time per round)."""
+    module, backend = bls
+    released = threading.Event()
+    released.set()
+    hops = []
+    answer = module._engine_answer
+
+    async def counted(model_name, call, *args):
+        hops.append(model_name)
+        return await answer(model_name, call, *args)
+
+    monkeypatch.setattr(module, "_engine_answer", counted)
+    backend.engines["draft"] = ([_Response([1]), _Response([2]), _Response([3]), _Response()], released)
+    engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
+    assert asyncio.run(engine.generate([9], 3, SamplingParams())).tokens == [1, 2, 3]
+    assert hops == ["draft"]
+    assert len(backend.iterators[0].reader_threads) == 1
+
+    backend.engines["draft"] = ([_Response([1]), _Response([2]), _Response([3]), _Response()], released)
+    hops.clear()
+
+    async def read_stream():
+        return [chunk.tokens async for chunk in engine.stream([9], 3, SamplingParams())]
+
+    assert asyncio.run(read_stream()) == [[1], [2], [3]]
+    assert len(hops) == 6  # the call, four responses, the end
+
+
 def test_a_stream_read_in_part_is_drained_off_the_event_loop(bls):
     module, backend = bls
     released = threading.Event()
