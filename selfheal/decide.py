@@ -112,4 +112,3 @@ def engines_alive(engines, now: float, down_limit: float) -> tuple[bool, str]:
             return False, (f"{health.model} has been down for {now - health.down_since:.0f} s "
                            f"(limit {down_limit:g} s): {health.reason}")
     return True, "ok"
-

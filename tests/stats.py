@@ -1,37 +1,20 @@
-"""Goodness-of-fit statistics for the losslessness tests (numpy and math only).
+"""Goodness-of-fit statistics for the losslessness tests (numpy only).
 
 Pearson's chi-square goodness of fit of observed counts against an exact
 distribution (cells with expected count < 5 pooled; a count in a cell of
 probability 0 fails outright), p-value from the exact chi-square survival
-function (closed form for integer degrees of freedom), and the total
+function (closed form for integer degrees of freedom; the one the GPU smoke
+test's distribution check uses, tools/gpu_smoke.py), and the total
 variation distance between an empirical and an exact distribution.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from tools.gpu_smoke import chi2_sf
 
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df), df a positive integer (exact closed forms)."""
-    if x <= 0.0:
-        return 1.0
-    if df % 2 == 0:  # exp(-x/2) sum_{i < df/2} (x/2)^i / i!
-        term = total = 1.0
-        for i in range(1, df // 2):
-            term *= x / 2 / i
-            total += term
-        return math.exp(-x / 2) * total
-    # 2 Q(sqrt x) + 2 phi(sqrt x) sum_{r=1}^{(df-1)/2} x^{(2r-1)/2} / (1*3*...*(2r-1))
-    root = math.sqrt(x)
-    total = math.erfc(root / math.sqrt(2))
-    term = math.sqrt(2 / math.pi) * math.exp(-x / 2) * root
-    for r in range(1, (df - 1) // 2 + 1):
-        total += term
-        term *= x / (2 * r + 1)
-    return total
+__all__ = ["chi2_sf", "gof_pvalue", "total_variation"]
 
 
 def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
