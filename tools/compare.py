@@ -1,9 +1,11 @@
 """``specdec-compare``: this server against what a user already has, in one
-run on one machine, greedy, same model pair, dtype and threads.
+run on one machine, greedy, same model pair and threads.
 
 Peers, run in-process first while the server sits idle: plain
 ``transformers`` ``generate`` of the target, ``transformers`` assisted
-generation (``assistant_model`` = the draft), and this project's CPU engine
+generation (``assistant_model`` = the draft), each in float32 and in
+bfloat16 with ratios against its faster (a user keeps the dtype that is
+fastest on their CPU), and this project's CPU engine
 driven in-process (the forward without Triton and the coordinator: the
 server's plain tokens/s over it is the serving overhead). Then the running
 server: plain (speculation_window 0), speculative with the adaptive window,
@@ -53,6 +55,8 @@ SERVER_MODES = ("plain", "adaptive", "fixed")
 # The server's default drafter runs as "adaptive"; each drafter alone, at one stream:
 DRAFTER_MODES = ("draft_model", "prompt_lookup")
 HUMANEVAL, COPY = "humaneval", "copy"
+# The transformers peers run in each (a library user takes the fastest; ``fastest_peer``).
+PEER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Measurement:
     prompt_tokens: int  # the prompt set's nominal length
     concurrency: int
     prompt_set: str = HUMANEVAL  # humaneval (held-out problems) or copy (a function shown, then continued again)
+    dtype: str | None = None  # the in-process peers' (the server's is its own)
     requests: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0  # wall clock of the whole run (all streams)
@@ -129,22 +134,37 @@ def host_steal_seconds() -> float | None:
 # -- peers (in-process) ----------------------------------------------------------
 
 def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
-              threads: int, progress, copy: Sequence[Prompt] = (), lookup_tokens: int = 8) -> list[Measurement]:
-    """Plain and assisted generation on every prompt set; on the copy-heavy set also transformers'
-    prompt lookup (``prompt_lookup_num_tokens``, the server's window); then the in-process engine."""
-    import numpy as np
+              threads: int, progress, copy: Sequence[Prompt] = (), lookup_tokens: int = 8,
+              dtypes: Sequence[str] = PEER_DTYPES) -> list[Measurement]:
+    """Plain and assisted generation on every prompt set, in each of ``dtypes``; on the copy-heavy set
+    also transformers' prompt lookup (``prompt_lookup_num_tokens``, the server's window); then the
+    in-process engine in the server target's dtype."""
+    import torch
+
+    from cpu_engine.engine import resolve_dtype
+
+    torch.set_num_threads(threads)
+    results = []
+    for dtype in dtypes:
+        results += run_library_peers(target_dir, draft_dir, prompts, max_tokens, progress, copy, lookup_tokens,
+                                     dtype)
+    # The engine in the dtype the server's target picks (its config says auto).
+    return results + run_engine_peer(target_dir, prompts, max_tokens, threads, resolve_dtype("auto"))
+
+
+def run_library_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
+                      progress, copy: Sequence[Prompt], lookup_tokens: int, dtype: str) -> list[Measurement]:
+    """The transformers peers in one dtype. A library user picks the dtype that is fastest for them, and
+    which one that is depends on the CPU and the request: without native bfloat16 a one-row bfloat16
+    decode step may still beat float32 (it reads half the bytes) while its prefill and assisted
+    generation's verification are many times slower; so each peer runs in every dtype asked for and its
+    ratios are taken against the fastest (``fastest_peer``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cpu_engine.engine import DTYPES, CausalLMEngine, EngineRequest, resolve_dtype
+    from cpu_engine.engine import DTYPES
 
-    torch.set_num_threads(threads)
-    # The target's dtype as the server picks it (its config says auto): bfloat16
-    # where the CPU has it natively, else float32. Peers in another dtype are
-    # another comparison: on an AVX2-only CPU emulated bfloat16 slowed assisted
-    # generation to about 0.6x its float32 speed.
-    dtype = resolve_dtype("auto")
-    progress(f"peers in {dtype}, the server target's dtype on this CPU")
+    progress(f"peers in {dtype}")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=DTYPES[dtype]).eval()
@@ -153,11 +173,12 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     if copy:
         groups.append((COPY, copy_length(copy), list(copy)))
     for prompt_set, length, group in groups:
-        plain = Measurement(PLAIN_GENERATE, length, 1, prompt_set)
-        assisted = Measurement(ASSISTED, length, 1, prompt_set)
+        plain = Measurement(PLAIN_GENERATE, length, 1, prompt_set, dtype=dtype)
+        assisted = Measurement(ASSISTED, length, 1, prompt_set, dtype=dtype)
         variants = [(plain, {}), (assisted, {"assistant_model": draft})]
         if prompt_set == COPY:
-            variants.append((Measurement(LOOKUP_PEER, length, 1, prompt_set), {"prompt_lookup_num_tokens": lookup_tokens}))
+            variants.append((Measurement(LOOKUP_PEER, length, 1, prompt_set, dtype=dtype),
+                             {"prompt_lookup_num_tokens": lookup_tokens}))
         for prompt in group:
             ids = tokenizer(prompt.text, return_tensors="pt").input_ids
             for measurement, extra in variants:
@@ -172,15 +193,27 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
                 measurement.completion_tokens += int(new.numel())
                 measurement.seconds += seconds
                 measurement.texts[prompt.prompt_id] = tokenizer.decode(new)
-                progress(f"{measurement.system}, {length}-token prompt {prompt.prompt_id}: "
+                progress(f"{measurement.system} ({dtype}), {length}-token prompt {prompt.prompt_id}: "
                          f"{new.numel() / seconds:.2f} tok/s")
         results += [m for m, _ in variants]
         if prompt_set == HUMANEVAL:
-            results.append(time_one_forward(target, tokenizer, group, length, progress))
-    del target, draft
+            results.append(time_one_forward(target, tokenizer, group, length, progress, dtype))
+    return results
+
+
+def run_engine_peer(target_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int, threads: int,
+                    dtype: str) -> list[Measurement]:
+    """This project's CPU engine in-process: the server's plain tokens/s over it is the serving overhead."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0)
+    results = []
     for length, group in prompts.items():
-        measurement = Measurement(ENGINE, length, 1)
+        measurement = Measurement(ENGINE, length, 1, dtype=dtype)
         for prompt in group:
             ids = np.asarray(tokenizer(prompt.text).input_ids)
             stolen, started = host_steal_seconds(), time.perf_counter()
@@ -193,12 +226,13 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     return results
 
 
-def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, progress) -> Measurement:
+def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, progress,
+                     dtype: str | None = None) -> Measurement:
     """One forward of ``target`` over each whole prompt (after one untimed forward to warm
     the kernels), recorded as that prompt's time to first text."""
     import torch
 
-    measurement = Measurement(ONE_FORWARD, length, 1)
+    measurement = Measurement(ONE_FORWARD, length, 1, dtype=dtype)
     with torch.inference_mode():
         target(tokenizer(group[0].text, return_tensors="pt").input_ids, logits_to_keep=1)
         for prompt in group:
@@ -206,7 +240,7 @@ def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, pr
             started = time.perf_counter()
             target(ids, logits_to_keep=1)
             measurement.first_text.append(time.perf_counter() - started)
-    progress(f"{ONE_FORWARD}, {length}-token prompts: p50 {measurement.p50_first_text:.2f} s")
+    progress(f"{ONE_FORWARD} ({dtype}), {length}-token prompts: p50 {measurement.p50_first_text:.2f} s")
     return measurement
 
 
@@ -375,8 +409,8 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
     server's plain mode at the same concurrency and length, and vs the same system's one-stream throughput.
     ``identity``: one run per server mode on the same prompts (plain first), whose texts must agree."""
     def find(system, length, concurrency, prompt_set=HUMANEVAL):
-        return next((m for m in measurements if m.system == system and m.prompt_tokens == length
-                     and m.concurrency == concurrency and m.prompt_set == prompt_set), None)
+        return fastest_peer([m for m in measurements if m.system == system and m.prompt_tokens == length
+                             and m.concurrency == concurrency and m.prompt_set == prompt_set])
 
     rows, mismatches = [], []
     for m in measurements:
@@ -389,7 +423,7 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
         ratio = (lambda other: rate / other.tokens_per_second
                  if rate and other is not None and other.tokens_per_second else None)
         row = {
-            "system": m.system, "prompt_set": m.prompt_set, "prompt_tokens": m.prompt_tokens,
+            "system": m.system, "dtype": m.dtype, "prompt_set": m.prompt_set, "prompt_tokens": m.prompt_tokens,
             "concurrency": m.concurrency,
             "requests": m.requests, "completion_tokens": m.completion_tokens, "seconds": m.seconds,
             "tokens_per_second": rate, "vs_transformers_generate": ratio(reference),
@@ -424,10 +458,25 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
             "serving_overhead_net_of_steal": net}
 
 
+def fastest_peer(candidates: Sequence[Measurement]) -> Measurement | None:
+    """Of one system's measurements in several dtypes, the one a user would keep: the most tokens/s,
+    or, for a time-only measurement (one forward over the prompt), the shortest p50 time."""
+    if not candidates:
+        return None
+    if any(m.tokens_per_second for m in candidates):
+        return max(candidates, key=lambda m: m.tokens_per_second or 0.0)
+    return min(candidates, key=lambda m: m.p50_first_text if m.p50_first_text is not None else float("inf"))
+
+
 def _progress_line(m: Measurement) -> str:
     stopped = "".join(f"; {count}x stopped speculating: {reason}" for reason, count in m.fallbacks.items())
     return (f"{m.system}, {m.prompt_set} {m.prompt_tokens}-token prompts, {m.concurrency} streams: "
             f"{m.tokens_per_second:.2f} tok/s total, {m.accepted}/{m.drafted} drafted tokens accepted{stopped}")
+
+
+def row_label(row: dict) -> str:
+    """A row's system, with its dtype where it has one (the in-process peers)."""
+    return f"{row['system']} ({row['dtype']})" if row.get("dtype") else row["system"]
 
 
 def _fmt(value, spec=".2f", suffix=""):
@@ -441,7 +490,7 @@ def format_table(summary: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lines.append(
-            f"| {r['system']} | {r['prompt_set']} {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
+            f"| {row_label(r)} | {r['prompt_set']} {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
             f"{_fmt(r['vs_transformers_generate'], '.2f', 'x')} | {_fmt(r['vs_transformers_assisted'], '.2f', 'x')} | "
             f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
             f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
@@ -490,7 +539,7 @@ def write_png(path: str, summary: dict, title: str) -> None:
         by_streams.set_ylabel("total tok/s over plain transformers generate (1 stream)")
         by_streams.set_title(f"{shortest}-token prompts, by concurrency")
         lengths = sorted({r["prompt_tokens"] for r in rows})
-        _grouped_bars(by_length, rows, list(dict.fromkeys(r["system"] for r in rows if r["concurrency"] == 1
+        _grouped_bars(by_length, rows, list(dict.fromkeys(row_label(r) for r in rows if r["concurrency"] == 1
                                                           and r["tokens_per_second"] is not None)),
                       [(n, 1) for n in lengths], [f"{n} tokens" for n in lengths])
         by_length.set_title("one stream, by prompt length")
@@ -503,7 +552,7 @@ def _grouped_bars(axis, rows, systems, groups, labels) -> None:
     """One bar per system in each (prompt tokens, concurrency) group: its ratio to plain transformers generate."""
     width = 0.8 / max(len(systems), 1)
     for i, system in enumerate(systems):
-        values = [next((r["vs_transformers_generate"] or 0 for r in rows if r["system"] == system
+        values = [next((r["vs_transformers_generate"] or 0 for r in rows if row_label(r) == system
                         and (r["prompt_tokens"], r["concurrency"]) == group), 0) for group in groups]
         bars = axis.bar([x + i * width for x in range(len(groups))], values, width, label=system)
         axis.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -541,6 +590,14 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return ("plain", *dict.fromkeys(name for name in named if name != "plain"))
 
 
+def parse_dtypes(text: str) -> tuple[str, ...]:
+    named = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in named if name not in PEER_DTYPES]
+    if unknown or not named:
+        raise argparse.ArgumentTypeError(f"unknown dtype {(unknown or [text])[0]!r}; dtypes: {', '.join(PEER_DTYPES)}")
+    return named
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec-compare", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      epilog="Start the server first (`make serve`). Exit status: 0 ok, 1 a "
@@ -566,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the server's metrics; one-stream runs read the engines' forward counters around each "
                         "request to report the serving stack's time per round ('' to skip; default %(default)s)")
     parser.add_argument("--skip-peers", action="store_true", help="only the server runs")
+    parser.add_argument("--peer-dtypes", type=parse_dtypes, default=PEER_DTYPES, metavar="D,D",
+                        help="dtypes the transformers peers run in; every ratio is taken against each peer's "
+                        f"fastest (default {','.join(PEER_DTYPES)})")
     parser.add_argument("--modes", type=parse_modes, default=SERVER_MODES + DRAFTER_MODES, metavar="M,M,...",
                         help=f"server modes to run (default {','.join(SERVER_MODES + DRAFTER_MODES)}; adaptive is "
                         "the server's defaults; plain always runs: every ratio and the identity check need it)")
@@ -604,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
             measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress,
-                                      copy, CoordinatorSettings().speculation_window)
+                                      copy, CoordinatorSettings().speculation_window, args.peer_dtypes)
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
         modes = args.modes

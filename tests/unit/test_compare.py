@@ -184,10 +184,10 @@ def test_host_steal_is_read_from_proc_stat():
     assert 0 <= first <= host_steal_seconds()
 
 
-@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_the_peers_use_the_dtype_the_server_target_is_configured_with(monkeypatch, native_bf16, expected):
-    """The server's target is configured ``auto``; run_peers loads both peers and the
-    in-process engine in what auto means on this CPU (models stubbed, nothing generated)."""
+@pytest.mark.parametrize("native_bf16, engine_dtype", [(True, "bfloat16"), (False, "float32")])
+def test_the_library_peers_run_in_every_dtype_and_the_engine_in_the_servers(monkeypatch, native_bf16, engine_dtype):
+    """The transformers peers load in each dtype asked for (a user keeps the fastest); the in-process
+    engine in what the server target's ``auto`` means on this CPU (models stubbed, nothing generated)."""
     pytest.importorskip("torch")
     import transformers
 
@@ -215,8 +215,38 @@ def test_the_peers_use_the_dtype_the_server_target_is_configured_with(monkeypatc
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **kwargs: None)
     assert compare.run_peers(Path("target"), Path("draft"), {}, 8, 1, lambda message: None) == []
-    torch_dtype = engine_module.DTYPES[expected]
-    assert loaded == [("transformers", torch_dtype), ("transformers", torch_dtype), ("engine", expected)]
+    f32, bf16 = engine_module.DTYPES["float32"], engine_module.DTYPES["bfloat16"]
+    assert loaded == [("transformers", f32), ("transformers", f32), ("transformers", bf16), ("transformers", bf16),
+                      ("engine", engine_dtype)]
+
+
+def test_ratios_are_taken_against_each_peers_fastest_dtype():
+    """bfloat16 generate beats float32 here, float32 assisted generation beats bfloat16, and the
+    one forward over the prompt is quicker in float32: each ratio uses the faster of the two."""
+    runs = [measurement(PLAIN_GENERATE, 2.0), measurement(PLAIN_GENERATE, 4.0),
+            measurement(ASSISTED, 5.0), measurement(ASSISTED, 1.0),
+            Measurement(ONE_FORWARD, 150, 1, first_text=[0.5], dtype="float32"),
+            Measurement(ONE_FORWARD, 150, 1, first_text=[2.0], dtype="bfloat16"),
+            measurement("server adaptive", 8.0, first_text=(1.0,))]
+    for m, dtype in zip(runs[:4], ("float32", "bfloat16", "float32", "bfloat16")):
+        m.dtype = dtype
+    summary = summarise(runs, identity=[])
+    adaptive = next(r for r in summary["rows"] if r["system"] == "server adaptive")
+    assert adaptive["vs_transformers_generate"] == 2.0  # against bfloat16's 4.0, not float32's 2.0
+    assert adaptive["vs_transformers_assisted"] == 1.6  # against float32's 5.0
+    assert adaptive["first_text_vs_one_forward"] == 2.0  # against float32's 0.5 s
+    table = format_table(summary)
+    assert f"| {PLAIN_GENERATE} (bfloat16) | humaneval 150 | 1 | 4.00 | 1.00x |" in table
+    assert f"| {PLAIN_GENERATE} (float32) | humaneval 150 | 1 | 2.00 | 0.50x |" in table
+
+
+def test_peer_dtypes_are_checked():
+    from tools.compare import build_parser
+
+    assert build_parser().parse_args(["--peer-dtypes", "bfloat16"]).peer_dtypes == ("bfloat16",)
+    assert build_parser().parse_args([]).peer_dtypes == ("float32", "bfloat16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--peer-dtypes", "float16"])
 
 
 def test_a_one_stream_request_is_timed_until_the_engines_are_idle_again():
