@@ -31,7 +31,7 @@ from trtllm_emulation.requests import EngineRequest, EngineRequestError  # noqa:
 from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
-from cpu_engine.quantize import check_scheme, quantize_linear_layers
+from cpu_engine.quantize import check_scheme, choose_dense_rows, quantize_linear_layers
 from cpu_engine.row_blocks import block_linear_layers, shaping
 from cpu_engine.rows import MAX_BLOCK_ROWS, RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
@@ -158,6 +158,8 @@ class CausalLMEngine:
             model_dir, dtype=DTYPES[self.dtype], attn_implementation=attention.NAME)
         self.model.eval()
         self.quantized_layers = quantize_linear_layers(self.model, weight_quantization)
+        # Over how many rows a quantized layer uses its original weights, measured on this CPU.
+        self.dense_rows = choose_dense_rows(self.model, max_num_tokens)
         # The float linear layers' kernel, measured on this machine (cpu_engine/packed.py).
         probed = min(max_num_tokens, MAX_BLOCK_ROWS)  # the most rows one kernel call is measured at
         self.linear_kernel = choose_linear_kernel(self.model, probed, linear_kernel)

@@ -29,17 +29,23 @@ other sizes with more than one row); a layer that fails that stays unquantized.
 ``quantize_linear_layers`` returns what each layer got.
 
 Only small forwards are memory-bound. Over many rows (a prompt's prefill)
-these kernels are compute-bound and much slower than the dense bf16 GEMM, so
-each quantized layer keeps a reference to the original weights and uses them
-for forwards over more than ``dense_rows`` rows (``DENSE_ROWS``, measured with
-``python -m tools.measure_forwards --weight-quantization ...``). That
-keeps the original weights in memory (they are what was loaded anyway);
-``dense_rows=0`` drops them.
+these kernels are compute-bound, and where the CPU multiplies the model's
+dtype natively the dense GEMM is much faster: each quantized layer keeps a
+reference to the original weights and uses them for forwards over more than
+``dense_rows`` rows (``DENSE_ROWS`` until measured). Whether the dense weights
+pay depends on the CPU, so ``choose_dense_rows`` measures it at start-up. With
+torch 2.13, a bfloat16 0.5B draft, 2 threads (``python -m
+tools.measure_forwards --weight-quantization int4,none --dense-rows 0``): on an
+Intel Xeon with AMX the dense layers were the faster above 8 rows; on an AMD
+EPYC with AVX2 only (bfloat16 emulated), a 64-row forward took 1.05 s on the
+int4 kernels and 3.4 s on the dense weights, so there the dense weights are
+never used and are dropped (``dense_rows=0``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import torch
@@ -51,8 +57,12 @@ SCHEMES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT8_K_MULTIPLE = 16
 _INT4_N_MULTIPLE = 16
-# Forwards over more rows than this (prompt prefill) use the original weights: see the module docstring.
+# Forwards over more rows than this (prompt prefill) use the original weights until
+# choose_dense_rows has measured where they pay: see the module docstring.
 DENSE_ROWS = 8
+# Row counts choose_dense_rows times both paths at (those above the forward's most are skipped).
+DENSE_PROBE_ROWS = (16, 32, 64)
+_DENSE_TIMING_REPEATS = 2
 
 
 def check_scheme(scheme: str) -> str:
@@ -213,4 +223,59 @@ def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64,
         if replacement is not linear:
             replace_submodule(model, name, replacement)
     log.info("weight_quantization %s: %s", scheme, dict(Counter(chosen.values())))
+    return chosen
+
+
+@torch.no_grad()
+def time_dense_and_quantized(layer: "WeightOnlyLinear", rows: int, generator: torch.Generator) -> tuple[float, float]:
+    """Seconds of one forward of ``rows`` rows through ``layer``'s original weights and through its
+    quantized kernel, timed in turn repeat by repeat (a burst of other load slows both alike)."""
+    x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
+    paths = (lambda: nn.functional.linear(x, layer.dense_weight, layer.bias), lambda: layer._matmul(x))
+    best = [float("inf"), float("inf")]
+    for _ in range(_DENSE_TIMING_REPEATS + 1):  # the first run warms each path
+        for i, run in enumerate(paths):
+            started = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
+
+
+@torch.no_grad()
+def choose_dense_rows(model: nn.Module, most_rows: int, measure=time_dense_and_quantized) -> int:
+    """Time, over one layer of each distinct quantized shape (weighted by how many the model has),
+    the original weights against the quantized kernels at ``DENSE_PROBE_ROWS`` rows, the largest
+    first (``measure``: layer, rows, generator -> (dense, quantized) seconds), and set every
+    quantized layer's ``dense_rows`` to the count above which the original weights are faster at
+    every larger probe. Where they never are, they are dropped (0). Returns the ``dense_rows`` set."""
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_weight is not None]
+    probes = [rows for rows in DENSE_PROBE_ROWS if rows <= most_rows]
+    if not layers or not probes:
+        return layers[0].dense_rows if layers else 0
+    shapes: dict[tuple, list] = {}
+    for layer in layers:
+        shapes.setdefault((type(layer), layer.in_features, layer.out_features), [layer, 0])[1] += 1
+    generator = torch.Generator().manual_seed(0)
+    dense: dict[int, float] = {}
+    quantized: dict[int, float] = {}
+    chosen = 0
+    for index in reversed(range(len(probes))):  # largest first: where dense loses there, it is never kept
+        rows = probes[index]
+        dense[rows] = quantized[rows] = 0.0
+        for layer, count in shapes.values():
+            dense_seconds, quantized_seconds = measure(layer, rows, generator)
+            dense[rows] += count * dense_seconds
+            quantized[rows] += count * quantized_seconds
+        if dense[rows] > quantized[rows]:
+            break
+        chosen = DENSE_ROWS if index == 0 else probes[index - 1]
+    for layer in layers:
+        layer.dense_rows = chosen
+        if chosen == 0:
+            layer.dense_weight = None
+    log.info("quantized layers: %s (linear layers over %s rows: original weights %s ms, quantized %s ms)",
+             f"the original weights above {chosen} rows" if chosen else "the quantized kernels at every row count, "
+             "the original weights dropped", "/".join(map(str, sorted(dense))),
+             "/".join(f"{dense[r] * 1e3:.0f}" for r in sorted(dense)),
+             "/".join(f"{quantized[r] * 1e3:.0f}" for r in sorted(dense)))
     return chosen

@@ -53,15 +53,17 @@ MAX_NUM_TOKENS = 64  # the target engine's row budget, over which ``auto`` compa
 
 def load_model(model_dir: str, dtype: str, scheme: str, dense_rows: int | None = None, kernel: str = "auto"):
     """The model as the engine loads it: ``dtype`` weights, linear layers quantized
-    by ``scheme`` (dense above ``dense_rows``, default the engine's), the float ones
-    on ``kernel``; returns (model, the kernel kept)."""
+    by ``scheme`` (the original weights above ``dense_rows`` rows; None: where they
+    measure faster, as the engine chooses), the float ones on ``kernel``; returns
+    (model, the kernel kept)."""
     from cpu_engine.engine import DTYPES
     from cpu_engine.packed import choose_linear_kernel
-    from cpu_engine.quantize import DENSE_ROWS, quantize_linear_layers
+    from cpu_engine.quantize import DENSE_ROWS, choose_dense_rows, quantize_linear_layers
 
-    dense_rows = DENSE_ROWS if dense_rows is None else dense_rows
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    quantize_linear_layers(model, scheme, dense_rows=dense_rows)
+    quantize_linear_layers(model, scheme, dense_rows=DENSE_ROWS if dense_rows is None else dense_rows)
+    if dense_rows is None:
+        choose_dense_rows(model, MAX_NUM_TOKENS)
     return model, choose_linear_kernel(model, MAX_NUM_TOKENS, kernel)
 
 
@@ -71,10 +73,19 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int) -> float:
     return min(timer.once_ms(new_tokens) for _ in range(repeats))
 
 
+def _dense_rows(text: str) -> int | None:
+    if text == "auto":
+        return None
+    rows = int(text)
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"--dense-rows must be auto or >= 0, got {text}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     from cpu_engine.engine import cpu_has_native_bf16
     from cpu_engine.packed import KERNELS
-    from cpu_engine.quantize import DENSE_ROWS, check_scheme
+    from cpu_engine.quantize import check_scheme
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", action="append", required=True, help="Hugging Face model dir (repeatable)")
@@ -85,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weight-quantization", default="none",
                         help="comma-separated schemes: none, int8, int4 (default none)")
-    parser.add_argument("--dense-rows", type=int, default=DENSE_ROWS,
-                        help=f"quantized layers use the original weights above this many rows (default {DENSE_ROWS}, "
-                             "the engine's; 0: always the quantized kernels)")
+    parser.add_argument("--dense-rows", type=_dense_rows, default=None,
+                        help="quantized layers use the original weights above this many rows (0: always the "
+                             "quantized kernels; default auto: where they measure faster, as the engine chooses)")
     parser.add_argument("--interleave", action="store_true",
                         help="load every variant at once and time them in turn each repeat, so a busy machine "
                              "slows all of them alike (needs the memory of all of them)")

@@ -264,6 +264,65 @@ def test_forwards_over_more_than_dense_rows_use_the_original_weights(scheme):
         assert not torch.equal(layer(x[:4]), linear(x[:4]))
 
 
+def _two_layer_model(scheme="int4"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    quantize.quantize_linear_layers(model, scheme)
+    return model
+
+
+@pytest.mark.parametrize("dense_wins_from, expected", [
+    (16, quantize.DENSE_ROWS),  # faster at every probe: above the quantized kernels' block, as before
+    (32, 16),
+    (64, 32),
+    (None, 0),  # never faster: dropped
+])
+def test_the_original_weights_are_used_only_above_the_rows_where_they_measured_faster(dense_wins_from, expected):
+    model = _two_layer_model()
+    seen = []
+
+    def measure(layer, rows, generator):
+        seen.append((layer.in_features, layer.out_features, rows))
+        faster = dense_wins_from is not None and rows >= dense_wins_from
+        return (1.0, 2.0) if faster else (2.0, 1.0)
+
+    assert quantize.choose_dense_rows(model, 256, measure) == expected
+    # one layer per distinct shape (two 64->32 layers share one), the largest probe first, down to
+    # the first where the original weights lose
+    lowest_probed = max(quantize.DENSE_PROBE_ROWS) if dense_wins_from is None else dense_wins_from // 2
+    probed = [r for r in quantize.DENSE_PROBE_ROWS if r >= lowest_probed]
+    assert sorted(seen) == sorted((i, o, r) for i, o in ((64, 32), (32, 64)) for r in probed)
+    assert [r for _, _, r in seen[::2]] == sorted(probed, reverse=True)
+    layers = list(model)
+    assert all(layer.dense_rows == expected for layer in layers)
+    assert all((layer.dense_weight is None) == (expected == 0) for layer in layers)
+    x = torch.randn(64, 64)
+    with torch.no_grad():  # 64 rows: dense only where it was kept
+        assert torch.equal(layers[0](x), layers[0]._matmul(x) + layers[0].bias) == (expected == 0)
+
+
+def test_a_dense_path_faster_at_some_rows_but_not_at_more_is_not_kept():
+    """Only a count from which the original weights win at every larger probe is taken."""
+    model = _two_layer_model()
+    assert quantize.choose_dense_rows(model, 256, lambda layer, rows, g: (1.0, 2.0) if rows == 16 else (2.0, 1.0)) == 0
+
+
+def test_the_dense_rows_are_weighed_by_how_many_layers_have_each_shape():
+    """Two 64->32 layers cost the quantized kernels more than one 32->64 layer saves them."""
+    model = _two_layer_model()
+
+    def measure(layer, rows, generator):
+        return (1.0, 3.0) if layer.in_features == 64 else (5.0, 1.0)  # dense: 2x1 + 5 = 7; quantized: 2x3 + 1 = 7
+
+    assert quantize.choose_dense_rows(model, 256, measure) == quantize.DENSE_ROWS  # a tie goes to dense
+
+
+def test_no_probe_fits_a_small_forward_and_nothing_changes():
+    model = _two_layer_model()
+    assert quantize.choose_dense_rows(model, 8, lambda *a: pytest.fail("measured")) == quantize.DENSE_ROWS
+    assert all(layer.dense_weight is not None for layer in model)
+
+
 def test_unknown_scheme_and_group_size_are_rejected(model_dir):
     with pytest.raises(ValueError, match="weight_quantization must be one of none, int8, int4, got 'fp8'"):
         CausalLMEngine(str(model_dir), weight_quantization="fp8")
@@ -286,7 +345,7 @@ def test_quantized_engine_generates_and_verifies(model_dir, scheme, row_invarian
     assert verified.tokens == plain.tokens[:7]
     if e.row_shape.fixed is None and row_invariant:
         assert np.array_equal(verified.logits, plain.logits[:7])
-    # a prompt longer than quantize.DENSE_ROWS is prefilled with the original weights
+    # a prompt longer than quantize.DENSE_ROWS (prefilled on the original weights or the quantized kernels, as measured)
     assert len(e.run(EngineRequest(np.arange(1, 2 * quantize.DENSE_ROWS), 3)).tokens) == 3
     # close to the float model's logits on the same tokens
     sequence = torch.as_tensor(np.concatenate([PROMPT, plain.tokens[:6]]).astype(np.int64)).unsqueeze(0)
@@ -392,13 +451,25 @@ def test_a_prompt_prefilled_in_one_forward_of_blocks_equals_one_prefilled_block_
     assert forwards == [5 + 5, 1 + 5]
 
 
-def test_a_quantized_engine_measures_its_kernel_calls_onto_the_quantized_kernels(model_dir):
-    """Quantized layers switch to the dense weights over more than DENSE_ROWS rows (another
-    rounding): the measured block stays at or below it however many rows a forward may carry,
-    so a sampled call's rows never meet the dense path."""
+@pytest.mark.parametrize("dense_faster", [True, False])
+def test_a_quantized_engine_measures_its_kernel_calls_onto_the_quantized_kernels(model_dir, monkeypatch, dense_faster):
+    """Where the dense weights measured faster, quantized layers switch to them over more than
+    dense_rows rows (another rounding): the measured block stays at or below it however many rows
+    a forward may carry, so a sampled call's rows never meet the dense path. Where they were
+    dropped, every row goes through the quantized kernels."""
+    import cpu_engine.engine as engine_module
+
+    real = quantize.choose_dense_rows
+    monkeypatch.setattr(engine_module, "choose_dense_rows", lambda model, most: real(
+        model, most, lambda layer, rows, g: (1.0, 2.0) if dense_faster else (2.0, 1.0)))
     e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_num_tokens=256,
                        weight_quantization="int4")
-    assert e.row_shape.capacity == 256 and e.row_shape.block <= quantize.DENSE_ROWS, e.row_shape.describe()
+    assert e.dense_rows == (quantize.DENSE_ROWS if dense_faster else 0)
+    assert e.row_shape.capacity == 256, e.row_shape.describe()
+    if dense_faster:
+        assert e.row_shape.block <= e.dense_rows, e.row_shape.describe()
+    assert not any(getattr(m, "dense_weight", None) is not None for m in e.model.modules()) != dense_faster
+    assert len(e.run(EngineRequest(np.arange(1, 40), 3)).tokens) == 3
 
 
 def test_logits_match_the_model_run_by_transformers_whatever_the_forwards_carried(model_dir):
