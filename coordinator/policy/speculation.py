@@ -66,7 +66,7 @@ from enum import Enum
 from coordinator.policy.costmodel import CostModel
 from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
-from coordinator.policy.governor import LoadGovernor
+from coordinator.policy.governor import PLAIN, LoadGovernor
 from coordinator.rounds import Round
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
@@ -297,10 +297,22 @@ class SpeculationPolicy:
         if self.max_window <= 0 or (draft_model_out and not free_drafter):
             return UNBOUNDED
         if self.held_back:
-            return self.settings.probe_interval
+            return max(self.settings.probe_interval, self._held_back_tokens())
         if free_drafter or self.mode is Mode.SPECULATING:
             return 1
         return max(1, self._interval - self._plain_rounds)
+
+    def _held_back_tokens(self) -> int:
+        """The tokens this request decodes while the governor surely keeps its load plain,
+        at the per-stream rate plain decoding measured (or is forecast) there."""
+        streams = max(self.costs.streams, 1)
+        rate = self.governor.rate(streams, PLAIN)
+        if rate is None:
+            forecast = self.governor.predicted(streams)
+            rate = None if forecast is None else forecast.plain
+        if not rate:
+            return 0
+        return int(self.governor.plain_seconds_ahead(streams) * rate / streams)
 
     # -- observations ------------------------------------------------------
     def observe(self, round_: Round) -> Round:
