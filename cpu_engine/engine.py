@@ -110,6 +110,8 @@ def release_free_heap() -> bool:
 
 
 INVARIANCE_MODES = {"true": "always", "sampled": "sampled", "false": "never"}
+# The most rows one kernel call of a "sampled" engine is measured at (and so computes).
+SAMPLED_BLOCK_ROWS = 2 * attention.BLOCK_ROWS
 
 
 def invariance_mode(row_invariant: bool | str) -> str:
@@ -176,8 +178,11 @@ class CausalLMEngine:
         # text, so it keeps the shape only in forwards that carry a sampled call's rows.
         self.invariance = invariance_mode(row_invariant)
         fixed_rows = max(attention.BLOCK_ROWS, min(max_draft_len + 1, probed))
+        # Only a sampled call's rows keep the draft's shape, and the start-up probe costs
+        # the square of its budget: a draft's kernel calls are measured up to two blocks.
+        budget = probed if self.invariance == "always" else min(probed, SAMPLED_BLOCK_ROWS)
         measured = (RowShape(floor=1, budget=max_num_tokens) if self.invariance == "never"
-                    else measure_row_shape(self.model, probed, fixed_rows))
+                    else measure_row_shape(self.model, budget, min(fixed_rows, budget)))
         # A forward carries up to max_num_tokens rows; its linear layers run in
         # blocks of the measured shape (cpu_engine/row_blocks.py).
         self.row_shape = replace(measured, forward_rows=max_num_tokens)
