@@ -34,6 +34,7 @@ from torch import nn
 
 from cpu_engine.quantize import replace_submodule
 from cpu_engine.rows import invariant_floor
+from cpu_engine.timing import fastest_times
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +120,8 @@ def _costs(kernels: dict[str, dict[tuple, tuple[nn.Module, int]]], budget: int,
             layer, _ = kernels[name][shape]
             for which, rows in enumerate((floors[name], max(floors[name], min(VERIFY_ROWS, budget)))):
                 x = torch.randn(rows, layer.in_features, generator=generator).to(layer_dtype(layer))
-                layer(x)  # warm (a first call may compile or allocate)
                 runs.append((name, which, layer, x))
-        best = [float("inf")] * len(runs)
-        for _ in range(_TIMING_REPEATS):
-            for i, (_, _, layer, x) in enumerate(runs):
-                started = time.perf_counter()
-                layer(x)
-                best[i] = min(best[i], time.perf_counter() - started)
+        best = fastest_times([lambda layer=layer, x=x: layer(x) for _, _, layer, x in runs], _TIMING_REPEATS)
         for (name, which, _, _), seconds in zip(runs, best):
             totals[name][which] += kernels[name][shape][1] * seconds
     return {name: KernelCost(floors[name], *totals[name]) if name in totals

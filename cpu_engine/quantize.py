@@ -45,11 +45,12 @@ never used and are dropped (``dense_rows=0``).
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 
 import torch
 from torch import nn
+
+from cpu_engine.timing import fastest_times
 
 log = logging.getLogger(__name__)
 
@@ -229,16 +230,11 @@ def quantize_linear_layers(model: nn.Module, scheme: str, group_size: int = 64,
 @torch.no_grad()
 def time_dense_and_quantized(layer: "WeightOnlyLinear", rows: int, generator: torch.Generator) -> tuple[float, float]:
     """Seconds of one forward of ``rows`` rows through ``layer``'s original weights and through its
-    quantized kernel, timed in turn repeat by repeat (a burst of other load slows both alike)."""
+    quantized kernel (cpu_engine/timing.py)."""
     x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
-    paths = (lambda: nn.functional.linear(x, layer.dense_weight, layer.bias), lambda: layer._matmul(x))
-    best = [float("inf"), float("inf")]
-    for _ in range(_DENSE_TIMING_REPEATS + 1):  # the first run warms each path
-        for i, run in enumerate(paths):
-            started = time.perf_counter()
-            run()
-            best[i] = min(best[i], time.perf_counter() - started)
-    return best[0], best[1]
+    dense, quantized = fastest_times((lambda: nn.functional.linear(x, layer.dense_weight, layer.bias),
+                                      lambda: layer._matmul(x)), _DENSE_TIMING_REPEATS)
+    return dense, quantized
 
 
 @torch.no_grad()
