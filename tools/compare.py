@@ -140,32 +140,33 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     also transformers' prompt lookup (``prompt_lookup_num_tokens``, the server's window); then the
     in-process engine in the server target's dtype."""
     import torch
+    from transformers import AutoTokenizer
 
     from cpu_engine.engine import resolve_dtype
 
     torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     results = []
     for dtype in dtypes:
-        results += run_library_peers(target_dir, draft_dir, prompts, max_tokens, progress, copy, lookup_tokens,
-                                     dtype)
+        results += run_library_peers(target_dir, draft_dir, tokenizer, prompts, max_tokens, progress, copy,
+                                     lookup_tokens, dtype)
     # The engine in the dtype the server's target picks (its config says auto).
-    return results + run_engine_peer(target_dir, prompts, max_tokens, threads, resolve_dtype("auto"))
+    return results + run_engine_peer(target_dir, tokenizer, prompts, max_tokens, threads, resolve_dtype("auto"))
 
 
-def run_library_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
-                      progress, copy: Sequence[Prompt], lookup_tokens: int, dtype: str) -> list[Measurement]:
+def run_library_peers(target_dir: Path, draft_dir: Path, tokenizer, prompts: dict[int, list[Prompt]],
+                      max_tokens: int, progress, copy: Sequence[Prompt], lookup_tokens: int, dtype: str) -> list[Measurement]:
     """The transformers peers in one dtype. A library user picks the dtype that is fastest for them, and
     which one that is depends on the CPU and the request: without native bfloat16 a one-row bfloat16
     decode step may still beat float32 (it reads half the bytes) while its prefill and assisted
     generation's verification are many times slower; so each peer runs in every dtype asked for and its
     ratios are taken against the fastest (``fastest_peer``)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from cpu_engine.engine import DTYPES
 
     progress(f"peers in {dtype}")
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=DTYPES[dtype]).eval()
     results = []
@@ -201,15 +202,13 @@ def run_library_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list
     return results
 
 
-def run_engine_peer(target_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int, threads: int,
-                    dtype: str) -> list[Measurement]:
+def run_engine_peer(target_dir: Path, tokenizer, prompts: dict[int, list[Prompt]], max_tokens: int,
+                    threads: int, dtype: str) -> list[Measurement]:
     """This project's CPU engine in-process: the server's plain tokens/s over it is the serving overhead."""
     import numpy as np
-    from transformers import AutoTokenizer
 
     from cpu_engine.engine import CausalLMEngine, EngineRequest
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0)
     results = []
     for length, group in prompts.items():
