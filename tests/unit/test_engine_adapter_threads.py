@@ -126,3 +126,38 @@ def test_each_forward_runs_holding_the_cores_lock_shared_with_the_other_engine(a
         assert model.engine.had_the_cores == [True]
     finally:
         model.finalize()
+
+
+class BuiltHoldingTheCores(FakeEngine):
+    """Records whether the other engine could have taken the cores while it was built."""
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        other = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(other, fcntl.LOCK_UN)
+            self.built_holding_the_cores = False
+        except BlockingIOError:
+            self.built_holding_the_cores = True
+        finally:
+            os.close(other)
+
+
+def test_the_engine_loads_and_measures_the_machine_holding_the_cores_lock(adapter, monkeypatch, tmp_path):
+    """Draft and target load at once: each one's start-up timings (kernel, row shape,
+    dense weights) run alone, not against the other's loading or timing."""
+    monkeypatch.setenv(TURNS_VARIABLE, str(tmp_path / "forward-turns"))
+    monkeypatch.setattr(adapter, "CausalLMEngine", BuiltHoldingTheCores)
+    model = adapter.TritonPythonModel()
+    model.initialize(ARGS)
+    try:
+        assert model.engine.built_holding_the_cores
+        free = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)  # and lets them go once built
+        try:
+            fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(free, fcntl.LOCK_UN)
+        finally:
+            os.close(free)
+    finally:
+        model.finalize()
