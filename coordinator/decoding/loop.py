@@ -154,7 +154,7 @@ async def plan_round(state: Decoding, drafter: Drafter, warm_up: DraftWarmUp) ->
     candidates = drafter.candidates(state.context)
     if DRAFT_MODEL in candidates and state.produced > 0 and not warm_up.pays(len(state.context)):
         candidates = tuple(name for name in candidates if name != DRAFT_MODEL)
-    if DRAFT_MODEL in candidates and not await warm_up.ready():  # still prefilling the prompt
+    if DRAFT_MODEL in candidates and (warm_up.deferred or not await warm_up.ready()):  # not caught up yet
         candidates = tuple(name for name in candidates if name != DRAFT_MODEL)
     chosen, k = policy.plan(len(state.context), candidates)
     k = min(k, state.remaining - 1)
@@ -172,7 +172,7 @@ def plain_stretch_length(state: Decoding, warm_up: DraftWarmUp, most: int) -> in
     planned speculative round, short while the draft warms up."""
     planned = state.policy.plain_rounds_planned(state.free_drafter, draft_model=warm_up.verdict is not False)
     stretch = min(state.remaining, most, planned)
-    return min(stretch, WARMUP_STRETCH) if warm_up.running else stretch
+    return min(stretch, WARMUP_STRETCH) if warm_up.running or warm_up.deferred else stretch
 
 
 def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Drafter, remaining: int) -> str:
@@ -188,7 +188,7 @@ def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Draft
     if DRAFT_MODEL in drafter.uses:
         if warm_up.verdict is False:
             return "catch_up_not_worth_it"
-        if warm_up.running:
+        if warm_up.running or warm_up.deferred:
             return "draft_catching_up"
     if policy.first_round_pending:
         return "first_round"

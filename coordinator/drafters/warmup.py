@@ -16,6 +16,12 @@ catch-up (measured seconds per token of earlier warm-ups) against what
 speculation is predicted to save over the tokens left: a long prompt with a
 short completion decodes without the draft model. The greedy warm-up has no
 deadline (it delays no token): the request drafts once it is done.
+
+Nor does it start while another request's prompt is prefilling on the
+target: the draft's forwards would take the cores (or the GPU) that prompt's
+first token waits on, and in a burst of arrivals each request's warm-up
+would stretch every later one's time to first token. The request asks again
+after its next plain stretch.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class CatchUpPricing(Protocol):
     max_window: int
     costs: object  # the cost model: observe_draft_prefill(tokens, seconds, context)
     held_back: bool  # the load governor holds speculation back
+    prompt_prefilling: bool  # another request waits for its first token on the target's prefill
     draft_model_failed: bool
 
     def catch_up_pays(self, context: int, remaining: int) -> bool: ...
@@ -54,6 +61,7 @@ class DraftWarmUp:
         self.started = False  # at most once per request
         self.verdict: bool | None = None  # whether the catch-up pays (priced once; None: not yet)
         self.request_over = False  # no further engine call once set
+        self.deferred = False  # wanted, but another request's prompt is prefilling: the draft model waits
 
     def pays(self, context_length: int) -> bool:
         """Whether the draft model catching up on the context pays (priced on first ask)."""
@@ -85,6 +93,9 @@ class DraftWarmUp:
         if (self.started or not sampling.greedy or policy.max_window <= 0 or self.remaining() <= 0
                 or policy.draft_model_failed or policy.held_back
                 or DRAFT_MODEL not in self.drafter.uses or not self.pays(len(context))):
+            return
+        self.deferred = policy.prompt_prefilling
+        if self.deferred:
             return
         self.started = True
         work = self.drafter.warm_up(context, call_seed(sampling.seed, len(context), "draft"),

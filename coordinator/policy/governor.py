@@ -150,6 +150,11 @@ class LoadGovernor:
         if self._prefills == 0 and self._resumed is None:
             self._resumed = self._cut = self.clock()
 
+    @property
+    def prompts_prefilling(self) -> int:
+        """Requests whose prompt is still prefilling (arrived, no first token yet)."""
+        return self._prefills
+
     def _pause(self) -> None:
         if self._resumed is not None:
             self._counted += self.clock() - self._resumed

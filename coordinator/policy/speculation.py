@@ -279,6 +279,11 @@ class SpeculationPolicy:
         return self.governor is not None and not self.governor.speculation_allowed(self.costs.streams)
 
     @property
+    def prompt_prefilling(self) -> bool:
+        """Another request's prompt is prefilling on the target (its first token still to come)."""
+        return self.governor is not None and self.governor.prompts_prefilling > 0
+
+    @property
     def draft_model_failed(self) -> bool:
         """The draft engine failed this request: the target decodes alone."""
         return self.mode is Mode.DRAFT_FAILED

@@ -177,3 +177,36 @@ def test_a_catch_up_whose_own_calls_show_it_will_not_pay_stops_and_the_request_d
     assert tokens_of(rounds) == tokens_of(plain)
     assert draft.lengths[:7] == catch_up_ends(len(prompt) + 1)
     assert not policy.reason.startswith("draft model not used")
+
+
+def test_a_catch_up_waits_while_another_request_s_prompt_prefills_on_the_target():
+    """In a burst of arrivals, a request's warm-up started at its first token would
+    take the cores (or the GPU) the later prompts' first tokens wait on: it starts
+    once no prompt is prefilling, and meanwhile the draft model drafts nothing."""
+    governor = LoadGovernor()
+    governor.prefill_started()  # another request's prompt
+    target_calls, draft_calls_at = [], []
+
+    async def target_step():
+        target_calls.append(len(target_calls))
+        if len(target_calls) == 4:  # the other prompt's first token
+            governor.prefill_ended()
+
+    async def draft_step():
+        draft_calls_at.append(len(target_calls))
+
+    prompt = [1 + (i * 7) % 50 for i in range(2 * CATCH_UP_CHUNK)]
+    plain, _ = run(prompt, 40, ToyEngine(), ToyEngine(), window=0)
+    draft, target = RecordingEngine(draft_step), RecordingEngine(target_step)
+    policy = SpeculationPolicy(4, 0.3, costs=CostModel(streams=2), governor=governor)
+    rounds = run_stretched(prompt, 40, draft, target, policy)
+    assert tokens_of(rounds) == tokens_of(plain)
+    assert draft_calls_at and min(draft_calls_at) >= 4  # not one draft forward before the other's first token
+    assert sum(r.drafted for r in rounds) > 0  # and it speculates once that prompt is in
+    waiting = [r for r in rounds if not r.speculative][1:4]
+    assert all(r.plain_reason == "draft_catching_up" and len(r.tokens) <= 2 for r in waiting)
+    # with no other prompt prefilling, the warm-up starts after the first stretch
+    draft, target = RecordingEngine(), RecordingEngine()
+    run_stretched(prompt, 40, draft, target, SpeculationPolicy(4, 0.3, costs=CostModel(streams=2),
+                                                               governor=LoadGovernor()))
+    assert draft.lengths[0] == CATCH_UP_FIRST
