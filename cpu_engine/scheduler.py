@@ -16,7 +16,13 @@ remaining prefill first: a running stream's catch-up of a few tokens (a draft
 call after a verified round) is a round waiting on it, while a long prompt's
 prefill (a new request, the draft's background warm-up) only gives up those
 few rows; in arrival order, that catch-up waited behind every prompt queued
-before it.
+before it. A forward that holds a block of rows (``shared_prefill``) and ends a
+prompt takes no further prompt: past a block a CPU forward's time grows with
+its rows, so a second prompt in it would delay the first one's first token by
+its whole prefill and gain nothing itself. Prompts that arrive together are
+prefilled one after another, shortest first, and their first tokens come in
+turn: four 150-token prompts prefilled in one 512-row forward all waited
+3.8 s; in turn the first waited about 1.2 s.
 
 No torch here: the engine supplies ``forward(works)``, which runs one packed
 forward and returns each work's logits (tests drive the scheduler with a fake).
@@ -149,6 +155,8 @@ class Scheduler:
                     # first token does not wait for a forward of its own
                     works.append(Work(call, list(call.feed), logits=True))
                     room -= len(call.feed)
+                if chunk == left and self.capacity - room >= self.shared_prefill:
+                    break  # one prompt ends here: the next one's prefill would only delay its first token
         return works
 
     def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:

@@ -169,3 +169,26 @@ def test_the_forward_that_ends_a_prompt_decodes_its_first_token_where_it_fits():
     scheduler.add(long_prompt)
     works, _ = step(scheduler)
     assert [(len(w.tokens), w.logits) for w in works] == [(15, False)] and long_prompt.decode_rows() == 1
+
+
+def test_prompts_that_arrive_together_are_prefilled_in_turn_shortest_first():
+    """A forward that ends one prompt and holds a block of rows takes no second prompt:
+    its rows would delay the first prompt's first token and gain the second nothing."""
+    scheduler = Scheduler(capacity=512, shared_prefill=64)
+    prompts = [call(151, new_tokens=4), call(120, new_tokens=4), call(151, new_tokens=4)]
+    for c in prompts:
+        scheduler.add(c)
+    works, _ = step(scheduler)
+    # the shortest prompt alone, with its first decode row; the others wait whole
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [(prompts[1], 119, False), (prompts[1], 1, True)]
+    assert prompts[1].plain.tokens and prompts[0].prefill_left == prompts[2].prefill_left == 150
+    works, _ = step(scheduler)
+    # next to the stream now decoding: one shared block of the next prompt, in arrival order
+    assert [(w.call, len(w.tokens)) for w in works] == [(prompts[1], 1), (prompts[0], 64)]
+    # a catch-up of a few tokens still shares the forward with a prompt's prefill
+    scheduler = Scheduler(capacity=512, shared_prefill=64)
+    catch_up, prompt = call(10, reused=4), call(151)
+    scheduler.add(prompt)
+    scheduler.add(catch_up)
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens)) for w in works] == [(catch_up, 5), (catch_up, 1), (prompt, 150), (prompt, 1)]
