@@ -85,6 +85,19 @@ def test_an_engine_that_fails_to_build_fails_initialize_with_its_error(adapter, 
         adapter.TritonPythonModel().initialize(ARGS)
 
 
+def cores_held() -> bool:
+    """Whether the adapter holds the cores lock now (a second open file conflicts with its)."""
+    other = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(other)
+
+
 class SteppingEngine(FakeEngine):
     """Runs one forward per call and records whether it had the cores."""
 
@@ -101,15 +114,7 @@ class SteppingEngine(FakeEngine):
         return self.submitted - self.forwards
 
     def step(self):
-        other = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)
-        try:
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second open file: conflicts with the adapter's
-            fcntl.flock(other, fcntl.LOCK_UN)
-            self.had_the_cores.append(False)
-        except BlockingIOError:
-            self.had_the_cores.append(True)
-        finally:
-            os.close(other)
+        self.had_the_cores.append(cores_held())
         self.forwards += 1
         self.stepped.set()
         return []
@@ -133,15 +138,7 @@ class BuiltHoldingTheCores(FakeEngine):
 
     def __init__(self, **settings):
         super().__init__(**settings)
-        other = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)
-        try:
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(other, fcntl.LOCK_UN)
-            self.built_holding_the_cores = False
-        except BlockingIOError:
-            self.built_holding_the_cores = True
-        finally:
-            os.close(other)
+        self.built_holding_the_cores = cores_held()
 
 
 def test_the_engine_loads_and_measures_the_machine_holding_the_cores_lock(adapter, monkeypatch, tmp_path):
@@ -153,11 +150,6 @@ def test_the_engine_loads_and_measures_the_machine_holding_the_cores_lock(adapte
     model.initialize(ARGS)
     try:
         assert model.engine.built_holding_the_cores
-        free = os.open(os.environ[TURNS_VARIABLE] + ".cores", os.O_RDWR)  # and lets them go once built
-        try:
-            fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(free, fcntl.LOCK_UN)
-        finally:
-            os.close(free)
+        assert not cores_held()  # and lets them go once built
     finally:
         model.finalize()
