@@ -112,3 +112,52 @@ def test_real_target_output_is_the_same_alone_and_in_a_crowd(real_target_dir):
     verified = engine.result(crowd[2])
     assert verified.tokens == alone.tokens[start:start + 5]
     assert np.array_equal(verified.logits, alone.logits[start:start + 5])
+
+
+@pytest.mark.slow
+def test_the_measured_row_shape_holds_on_the_targets_own_activations(real_target_dir):
+    """The start-up probe multiplies random rows; a kernel path that rounds only
+    some rows differently can hide from a few of them. Here every linear shape
+    of the real target gets the rows it meets in a prompt's prefill (its own
+    activations), and every row count the measured shape allows must give each
+    of them bitwise what a call of the whole budget gives."""
+    from tokenizers import Tokenizer
+
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
+    from cpu_engine.rows import call_starts
+
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(), num_threads=2, max_cached_sequences=0)
+    shape = engine.row_shape
+    if shape.fixed is not None:
+        pytest.skip(f"this machine's kernels are not row-invariant here: {shape.describe()}")
+    tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
+    prompt = tokenizer.encode(load_humaneval()["HumanEval/10"], add_special_tokens=True).ids
+    layers, seen, inputs = [], set(), {}
+    for module in engine.model.modules():
+        inner = getattr(module, "inner", None)  # the row-blocked wrapper of every linear layer
+        if inner is not None and (inner.in_features, inner.out_features) not in seen:
+            seen.add((inner.in_features, inner.out_features))
+            layers.append(inner)
+    hooks = [layer.register_forward_hook(
+        lambda layer, args, out: inputs.setdefault(id(layer), []).append(args[0].reshape(-1, args[0].shape[-1])))
+        for layer in layers]
+    # the output layer computes only the rows whose logits are wanted: it gets every final hidden row
+    hooks.append(engine.model.model.norm.register_forward_hook(
+        lambda norm, args, out: inputs.setdefault("final", []).append(out.reshape(-1, out.shape[-1]))))
+    try:
+        engine.run(EngineRequest(np.array(prompt), 1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.inference_mode():
+        for layer in layers:
+            rows = torch.cat(inputs[id(layer)] if layer.out_features != engine.vocab_size else inputs["final"])
+            rows = rows[: 2 * shape.budget]
+            assert rows.shape[0] == 2 * shape.budget, (layer, rows.shape)
+            reference = torch.cat([layer(rows[start : start + shape.budget])
+                                   for start in range(0, rows.shape[0], shape.budget)])
+            for m in range(shape.floor, shape.budget + 1):
+                for start in call_starts(rows.shape[0], m):
+                    assert torch.equal(layer(rows[start : start + m]), reference[start : start + m]), \
+                        (layer, m, start, shape.describe())
