@@ -134,6 +134,18 @@ def call_starts(rows: int, count: int) -> list[int]:
     return starts
 
 
+def disagreeing_count(multiply, rows: torch.Tensor, budget: int, counts) -> int | None:
+    """The largest of ``counts`` whose calls, covering all ``rows`` (a whole number
+    of ``budget``-row blocks), give some row other bits than calls of ``budget``
+    rows do (None: every count agrees)."""
+    reference = torch.cat([multiply(rows[start : start + budget]) for start in range(0, rows.shape[0], budget)])
+    for m in sorted(counts, reverse=True):
+        if not all(torch.equal(multiply(rows[start : start + m]), reference[start : start + m])
+                   for start in call_starts(rows.shape[0], m)):
+            return m
+    return None
+
+
 def invariant_floor(multiply, width: int, budget: int, dtype: torch.dtype, generator: torch.Generator) -> int | None:
     """The smallest floor in FLOORS from which ``multiply`` (rows [M, width]
     -> [M, out]) gives every row bitwise the same for every M up to ``budget``,
@@ -145,14 +157,9 @@ def invariant_floor(multiply, width: int, budget: int, dtype: torch.dtype, gener
     largest down: the first that disagrees settles the floor."""
     span = -(-max(budget, PROBE_ROWS) // budget) * budget
     rows = torch.randn(span, width, generator=generator).to(dtype)
-    reference = torch.cat([multiply(rows[start : start + budget]) for start in range(0, span, budget)])
-    floors = [floor for floor in FLOORS if floor <= budget]
-    for m in reversed(probe_counts(budget)):
-        if not all(torch.equal(multiply(rows[start : start + m]), reference[start : start + m])
-                   for start in call_starts(span, m)):
-            above = [floor for floor in floors if floor > m]
-            return above[0] if above else None
-    return floors[0] if floors else None
+    worst = disagreeing_count(multiply, rows, budget, probe_counts(budget))
+    above = [floor for floor in FLOORS if floor <= budget and (worst is None or floor > worst)]
+    return above[0] if above else None
 
 
 def candidate_budgets(budget: int, fallback_rows: int) -> list[int]:
