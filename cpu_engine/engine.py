@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import logging
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,6 +37,8 @@ from cpu_engine.quantize import check_scheme, choose_dense_rows, quantize_linear
 from cpu_engine.row_blocks import block_linear_layers, shaping
 from cpu_engine.rows import MAX_BLOCK_ROWS, RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters of configs/cpu.pbtxt this engine understands.
@@ -188,6 +192,14 @@ class CausalLMEngine:
         self.row_shape = replace(measured, forward_rows=max_num_tokens)
         if self.invariance != "never":  # no forward is shaped: the layers stay as they are
             block_linear_layers(self.model)
+        # How many attention blocks of one key length one matmul computes, where that
+        # keeps each block's bits (always, where no forward need keep them).
+        started = time.perf_counter()
+        self.attention_stack = (max(attention.STACKS) if self.invariance == "never"
+                                else attention.measure_stack(*attention.model_heads(self.model.config),
+                                                             DTYPES[self.dtype], max_context_tokens))
+        log.info("attention: up to %d blocks of one key length a matmul (measured in %.1f s)",
+                 self.attention_stack, time.perf_counter() - started)
         # Next to running streams a prompt's prefill takes one block a forward,
         # so it delays their next token by about one block's cost.
         self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block)
@@ -313,7 +325,7 @@ class CausalLMEngine:
         self.last_forward = (len({id(work.call) for work in works}), real)
         self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
-        with attention.packed(segments), shaping(self.row_shape if shaped else None):
+        with attention.packed(segments, self.attention_stack), shaping(self.row_shape if shaped else None):
             hidden = self.model.model(
                 input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
                 attention_mask=_NO_MASKS, use_cache=False,

@@ -89,9 +89,10 @@ class TritonPythonModel:
         error = built.get()
         if error is not None:
             raise error
-        log.info("%s: %s, %s; linear kernel %s, %s weights, row invariance %s", self.name,
-                 self.engine.row_shape.describe(), self.engine.dtype, self.engine.linear_kernel,
-                 self.engine.weight_quantization, self.engine.invariance)
+        log.info("%s: %s, %s; linear kernel %s, %s weights, row invariance %s, attention blocks stacked up "
+                 "to %d a matmul", self.name, self.engine.row_shape.describe(), self.engine.dtype,
+                 self.engine.linear_kernel, self.engine.weight_quantization, self.engine.invariance,
+                 self.engine.attention_stack)
         self._report()
 
     def execute(self, requests):

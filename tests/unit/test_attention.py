@@ -79,6 +79,40 @@ def test_the_targets_shapes_on_two_threads(dtype, threads):
     check_rows(Sequence(12, 2, 128, dtype), (1, 2, 5, 8, 11))
 
 
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_prefill_in_stacked_blocks_equals_its_rows_decoded_alone(dtype, threads):
+    """With the stack measured on this machine, blocks of one key length share a
+    batched matmul; each row still comes out as a plain step computes it."""
+    sequence = Sequence(12, 2, 128, dtype, seed=4)
+    stack = attention.measure_stack(12, 2, 128, dtype, SEQUENCE + attention.KEY_BLOCK)
+    for offset, count in ((0, 300), (57, 140), (121, 9), (250, 454)):
+        end = offset + count
+        stacked = attention.attend_rows(sequence.query[:, :, offset:end], sequence.key[:, :, :end],
+                                        sequence.value[:, :, :end], offset, 0.125, stack=stack)
+        for row in range(count):
+            assert torch.equal(stacked[:, row], sequence.rows(offset + row, 1)[:, 0]), (stack, offset, row)
+
+
+def test_a_stack_whose_blocks_change_bits_is_not_used(monkeypatch):
+    """A kernel that computes a block of a batch of 4 or more otherwise than alone
+    (simulated: a different last bit): the measured stack stops at 2."""
+    exact = attention._attend_blocks
+
+    def kernel(blocks, group, *args):
+        out = exact(blocks, group, *args)
+        return out if len(group) < 4 else out + out.abs() * 2.0 ** -7
+    monkeypatch.setattr(attention, "_attend_blocks", kernel)
+    assert attention.measure_stack(4, 2, 16, torch.bfloat16, 256) == 2
+
+
+def test_blocks_are_cut_where_their_rows_key_length_changes():
+    parts = attention.passes(offset=60, count=12)  # positions 60..71: lengths 64 (60..63) and 128
+    assert [(p.block, p.offset, p.start, p.stop, p.length) for p in parts] == [
+        (0, 60, 0, 4, 64), (0, 60, 4, 8, 128), (1, 68, 0, 4, 128)]
+    assert attention.probed_lengths(2048)[:2] == [64, 128] and attention.probed_lengths(2048)[-3:] == [1536, 1792, 2048]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_a_whole_prefill_equals_its_rows_decoded_one_by_one(dtype):
     sequence = Sequence(12, 2, 128, dtype, seed=3)

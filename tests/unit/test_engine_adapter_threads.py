@@ -46,6 +46,7 @@ class FakeEngine:
         self.row_shape = types.SimpleNamespace(describe=lambda: "rows: floor 1")
         self.linear_kernel = "default"
         self.dtype, self.weight_quantization, self.invariance = "float32", "none", "always"
+        self.attention_stack = 1
         self.pool = types.SimpleNamespace(clear=lambda: None)
 
     def bind_thread(self):
