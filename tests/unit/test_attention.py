@@ -94,6 +94,23 @@ def test_a_prefill_in_stacked_blocks_equals_its_rows_decoded_alone(dtype, thread
             assert torch.equal(stacked[:, row], sequence.rows(offset + row, 1)[:, 0]), (stack, offset, row)
 
 
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_row_does_not_depend_on_the_layout_of_its_keys(dtype, threads):
+    """A row's canonical key range is a zero-padded copy where the cache is shorter
+    than it (a decode step) and a view of the cache where it is longer (a row
+    early in a prefill chunk): both must give the row the same bits."""
+    sequence = Sequence(12, 2, 128, dtype, seed=5)
+    for offset, count in ((0, 130), (190, 8), (255, 1), (640, 64)):
+        end = offset + count
+        query = sequence.query[:, :, offset:end]
+        exact = attention.attend_rows(query, sequence.key[:, :, :end], sequence.value[:, :, :end], offset, 0.125)
+        for room in (64, 320, 2 * SEQUENCE - end):
+            keys = torch.nn.functional.pad(sequence.key[:, :, :end], (0, 0, 0, room))
+            values = torch.nn.functional.pad(sequence.value[:, :, :end], (0, 0, 0, room))
+            assert torch.equal(attention.attend_rows(query, keys, values, offset, 0.125), exact), (offset, room)
+
+
 def test_a_stack_whose_blocks_change_bits_is_not_used(monkeypatch):
     """A kernel that computes a block of a batch of 4 or more otherwise than alone
     (simulated: a different last bit): the measured stack stops at 2."""
