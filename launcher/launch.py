@@ -22,7 +22,7 @@ from pathlib import Path
 import coordinator
 from cpu_engine.turns import TURNS_VARIABLE
 from launcher import assets, engine_watchdog, openai_frontend, profiles, shm_regions, tritonserver
-from selfheal import exposition, readiness
+from selfheal import exposition, readiness, stubs
 from coordinator.request.access import (API_KEY_FILE_VAR, API_KEY_HEADER, API_KEY_VAR, GRPC_API_KEY_HEADER, ApiKeyError,
                                         server_api_key)
 from selfheal.triton_admin import ADMIN_KEY_HEADER, ADMIN_KEY_VAR
@@ -348,7 +348,20 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(options, pair, process)
     finally:
         if process.poll() is not None:  # its regions are nobody's now, even if it exited on its exit timeout
+            _kill_stray_stubs(options.shm_region_prefix)
             shm_regions.remove(options.shm_region_prefix)
+
+
+def _kill_stray_stubs(region_prefix: str) -> None:
+    """Kill this server's Python-backend stubs still running after tritonserver exited:
+    Triton stops its stubs as it shuts down, but one that does not exit in time
+    outlives it, re-parented and holding its memory, and nothing else would end it."""
+    for pid in stubs.server_stub_pids(region_prefix):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # exited meanwhile
+            continue
+        print(f"specdec: killed a Python-backend stub (pid {pid}) that outlived tritonserver", flush=True)
 
 
 def _serve(options: ServerOptions, pair: PreparedPair, process: subprocess.Popen) -> int:

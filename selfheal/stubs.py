@@ -58,6 +58,18 @@ def shm_region(pid: int, proc: Path = Path("/proc")) -> str | None:
     return argv[2].decode(errors="replace") or None
 
 
+def server_stub_pids(region_prefix: str, proc: Path = Path("/proc")) -> set[int]:
+    """Pids of the live stubs whose region carries ``region_prefix``: one server's
+    stubs, found by name since a stub that outlives tritonserver has a new parent."""
+    found = set()
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            region = shm_region(int(entry.name), proc)
+            if region is not None and region.startswith(region_prefix) and alive(int(entry.name), proc):
+                found.add(int(entry.name))
+    return found
+
+
 def release_region(region: str, shm_dir: Path | None = None) -> bool:
     """Remove a dead stub's region from ``shm_dir`` (/dev/shm). Triton 2.51 never
     finishes unloading an instance whose stub died with calls in flight, so it

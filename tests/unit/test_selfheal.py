@@ -117,6 +117,21 @@ def test_a_stubs_region_is_read_from_its_command_line(tmp_path):
     assert stubs.shm_region(205, proc) is None and stubs.shm_region(999, proc) is None
 
 
+def test_a_servers_stubs_are_found_by_region_prefix_whatever_their_parent(tmp_path):
+    def stub_of(region):
+        argv = stub("coordinator_0_0")
+        argv[2] = region
+        return argv
+    proc = fake_proc(tmp_path, [
+        (201, 1, "S", stub_of("specdec_100_coordinator_0_0")),  # outlived tritonserver: init's now
+        (202, 100, "S", stub_of("specdec_100_target_0_0")),
+        (203, 1, "Z", stub_of("specdec_100_draft_0_0")),  # exited, not yet reaped
+        (301, 300, "S", stub_of("specdec_1000_target_0_0")),  # another server's (its pid starts alike)
+        (205, 1, "S", ["/usr/bin/python3", "x", "specdec_100_x"]),  # not a stub
+    ])
+    assert stubs.server_stub_pids("specdec_100_", proc) == {201, 202}
+
+
 def test_only_a_region_in_the_shm_directory_is_ever_removed(tmp_path):
     region = tmp_path / "triton_python_backend_shm_region_1"
     region.write_bytes(b"x")
