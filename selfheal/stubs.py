@@ -23,25 +23,24 @@ def instance_model(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def stub_pids(model: str, parent: int | None, proc: Path = Path("/proc")) -> set[int]:
-    """Pids of the live stubs of ``model``'s instances (children of ``parent``, when given)."""
-    found = set()
+def _live_stubs(proc: Path):
+    """(pid, argv as text, parent pid) of every live stub process in ``proc``."""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = _stat(entry)
+            argv = [arg.decode(errors="replace") for arg in (entry / "cmdline").read_bytes().split(b"\0")]
+            state, parent = _stat(entry)
         except OSError:  # exited meanwhile, or not ours to read
             continue
-        if not argv or os.path.basename(argv[0].decode(errors="replace")) != STUB_BINARY:
-            continue
-        if parent is not None and stat[1] != parent:
-            continue
-        names = {instance_model(arg.decode(errors="replace")) for arg in argv[1:]}
-        if model in names and stat[0] not in ("Z", "X"):
-            found.add(int(entry.name))
-    return found
+        if argv and os.path.basename(argv[0]) == STUB_BINARY and state not in ("Z", "X"):
+            yield int(entry.name), argv, parent
+
+
+def stub_pids(model: str, parent: int | None, proc: Path = Path("/proc")) -> set[int]:
+    """Pids of the live stubs of ``model``'s instances (children of ``parent``, when given)."""
+    return {pid for pid, argv, ppid in _live_stubs(proc)
+            if (parent is None or ppid == parent) and model in {instance_model(arg) for arg in argv[1:]}}
 
 
 def shm_region(pid: int, proc: Path = Path("/proc")) -> str | None:
@@ -61,13 +60,7 @@ def shm_region(pid: int, proc: Path = Path("/proc")) -> str | None:
 def server_stub_pids(region_prefix: str, proc: Path = Path("/proc")) -> set[int]:
     """Pids of the live stubs whose region carries ``region_prefix``: one server's
     stubs, found by name since a stub that outlives tritonserver has a new parent."""
-    found = set()
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            region = shm_region(int(entry.name), proc)
-            if region is not None and region.startswith(region_prefix) and alive(int(entry.name), proc):
-                found.add(int(entry.name))
-    return found
+    return {pid for pid, argv, _ in _live_stubs(proc) if len(argv) > 2 and argv[2].startswith(region_prefix)}
 
 
 def release_region(region: str, shm_dir: Path | None = None) -> bool:
