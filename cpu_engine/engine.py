@@ -194,12 +194,13 @@ class CausalLMEngine:
             block_linear_layers(self.model)
         # How many attention blocks of one key length one matmul computes, where that
         # keeps each block's bits (always, where no forward need keep them).
-        started = time.perf_counter()
-        self.attention_stack = (max(attention.STACKS) if self.invariance == "never"
-                                else attention.measure_stack(*attention.model_heads(self.model.config),
-                                                             DTYPES[self.dtype], max_context_tokens))
-        log.info("attention: up to %d blocks of one key length a matmul (measured in %.1f s)",
-                 self.attention_stack, time.perf_counter() - started)
+        self.attention_stack = max(attention.STACKS)
+        if self.invariance != "never":
+            started = time.perf_counter()
+            self.attention_stack = attention.measure_stack(*attention.model_heads(self.model.config),
+                                                           DTYPES[self.dtype], max_context_tokens)
+            log.info("attention: up to %d blocks of one key length a matmul (measured in %.1f s)",
+                     self.attention_stack, time.perf_counter() - started)
         # Next to running streams a prompt's prefill takes one block a forward,
         # so it delays their next token by about one block's cost.
         self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block)
