@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -277,7 +279,7 @@ def _triton_instrument(families: dict[str, object], spec: MetricSpec):
         family = families[spec.name] = pb_utils.MetricFamily(name=spec.name, description=spec.description, kind=kind)
     labels = dict(spec.labels)
     if spec.buckets is not None:
-        return family.Metric(labels=labels, buckets=list(spec.buckets))
+        return _BatchedHistogram(family.Metric(labels=labels, buckets=list(spec.buckets)))
     if spec.kind == GAUGE:
         return _BatchedGauge(family.Metric(labels=labels))
     if spec.kind == COUNTER:
@@ -286,28 +288,70 @@ def _triton_instrument(families: dict[str, object], spec: MetricSpec):
 
 
 # Each pb_utils.Metric call is a synchronous round trip to tritonserver (a
-# message and a wait for its answer), ~20 of them a speculative round: most of
-# the coordinator's CPU per round at GPU step times (tools/sim_bench.py). So
-# counters add up and gauges keep only their last value until flush_metrics,
-# which runs before every final response (the metrics port never lags the
-# responses) and otherwise at most METRIC_FLUSH_SECONDS after an update.
-# Histograms pass each observation through.
+# message and a wait for its answer), ~20 of them a speculative round plus one
+# per emitted token (the inter-token latency): at GPU step times most of the
+# coordinator's time per round (tools/sim_bench.py). So no round makes one:
+# counters add up, gauges keep their last value and histograms their
+# observations until flush_metrics hands them to the metric-sender thread,
+# which makes the calls off the event loop. A flush runs at most
+# METRIC_FLUSH_SECONDS after an update, and before every final response, where
+# it waits until Triton has them all: the metrics port never lags the responses.
 METRIC_FLUSH_SECONDS = 0.25
+METRIC_WAIT_SECONDS = 5.0  # longest a final response waits for its metrics (a stuck tritonserver)
 _unflushed: set = set()
 _last_flush = [0.0]
+
+
+class _MetricSender:
+    """One thread that makes the pb_utils.Metric calls of each flush, in order."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def send(self, calls: list, done: threading.Event | None = None) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
+                self._thread.start()
+        self._queue.put((calls, done))
+
+    def _run(self) -> None:
+        while True:
+            calls, done = self._queue.get()
+            for call, value in calls:
+                try:
+                    call(value)
+                except Exception as error:  # noqa: BLE001 - a metric never fails serving
+                    log.warning("a metric update failed: %s", error)
+            if done is not None:
+                done.set()
+
+
+_sender = _MetricSender()
 
 
 def _updated(instrument) -> None:
     _unflushed.add(instrument)
     if time.monotonic() - _last_flush[0] >= METRIC_FLUSH_SECONDS:
-        flush_metrics()
+        flush_metrics(wait=False)
 
 
-def flush_metrics() -> None:
-    """Send every batched counter increment and gauge value to Triton."""
+def flush_metrics(wait: bool = True) -> None:
+    """Hand every batched update to the metric sender; ``wait``: until Triton has them."""
     _last_flush[0] = time.monotonic()
+    calls = []
     while _unflushed:
-        _unflushed.pop().flush()
+        calls += _unflushed.pop().take()
+    if not wait:
+        if calls:
+            _sender.send(calls)
+        return
+    done = threading.Event()
+    _sender.send(calls, done)
+    if not done.wait(METRIC_WAIT_SECONDS):
+        log.warning("metric updates not acknowledged by Triton within %g s", METRIC_WAIT_SECONDS)
 
 
 class _BatchedCounter:
@@ -321,10 +365,9 @@ class _BatchedCounter:
         self.pending += value
         _updated(self)
 
-    def flush(self) -> None:
-        if self.pending:
-            self.metric.increment(self.pending)
-            self.pending = 0
+    def take(self) -> list:
+        pending, self.pending = self.pending, 0
+        return [(self.metric.increment, pending)] if pending else []
 
 
 class _BatchedGauge:
@@ -338,10 +381,27 @@ class _BatchedGauge:
         self.value = value
         _updated(self)
 
-    def flush(self) -> None:
-        if self.value != self.sent:  # most per-round gauges hold their value from round to round
-            self.metric.set(self.value)
-            self.sent = self.value
+    def take(self) -> list:
+        if self.value == self.sent:  # most per-round gauges hold their value from round to round
+            return []
+        self.sent = self.value
+        return [(self.metric.set, self.value)]
+
+
+class _BatchedHistogram:
+    __slots__ = ("metric", "pending")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.pending: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.pending.append(value)
+        _updated(self)
+
+    def take(self) -> list:
+        pending, self.pending = self.pending, []
+        return [(self.metric.observe, value) for value in pending]
 
 
 class TritonPythonModel:

@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -241,3 +242,45 @@ def test_a_failing_readiness_check_never_fails_a_call(bls, monkeypatch):
     threading.Timer(0.2, released.set).start()
     engine = module.BlsEngine("draft", SPECIAL, decoupled=True)
     assert asyncio.run(asyncio.wait_for(engine.generate([9], 1, SamplingParams()), TIMEOUT)).tokens == [3]
+
+
+class _RecordingMetric:
+    """A pb_utils.Metric that records each call and the thread that made it."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def increment(self, value):
+        self.calls.append(("increment", value, threading.current_thread().name))
+
+    def set(self, value):
+        self.calls.append(("set", value, threading.current_thread().name))
+
+    def observe(self, value):
+        self.calls.append(("observe", value, threading.current_thread().name))
+
+
+def test_metric_updates_are_batched_and_sent_off_the_event_loop_before_the_final_response(bls, monkeypatch):
+    """No round makes a round trip to Triton: counters add up, gauges keep their
+    last value, histograms keep every observation, and a flush sends them from
+    the metric-sender thread; a final response's flush returns only once Triton
+    has them all (the metrics port never lags the responses)."""
+    module, _ = bls
+    monkeypatch.setattr(module, "METRIC_FLUSH_SECONDS", 3600.0)
+    module._last_flush[0] = time.monotonic()
+    calls: list = []
+    counter = module._BatchedCounter(_RecordingMetric(calls))
+    gauge = module._BatchedGauge(_RecordingMetric(calls))
+    histogram = module._BatchedHistogram(_RecordingMetric(calls))
+    for value in (0.5, 0.25, 0.25):
+        counter.increment(2)
+        gauge.set(value)
+        histogram.observe(value)
+    assert calls == []  # nothing sent while the rounds run
+    module.flush_metrics()  # as before a final response: returns once all are sent
+    assert sorted(c[:2] for c in calls) == sorted([("increment", 6), ("set", 0.25), ("observe", 0.5),
+                                                  ("observe", 0.25), ("observe", 0.25)])
+    assert {c[2] for c in calls} == {"metric-sender"}
+    gauge.set(0.25)  # unchanged since it was sent: nothing to send
+    module.flush_metrics()
+    assert len(calls) == 5
