@@ -13,7 +13,7 @@ catch up on the context, prompt lookup is preferred and tried first.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from coordinator.drafters import draft_model, prompt_lookup
 from coordinator.drafters.base import DrafterEntry, Proposal
@@ -32,10 +32,21 @@ class HybridDrafter:
     name: str = NAME
     uses: tuple[str, ...] = (prompt_lookup.NAME, draft_model.NAME)
     _last: str = ""  # the drafter of the latest proposal
+    # (context, its length, where the match's continuation starts): a round asks for
+    # the candidates and then the alternative on one context; one search serves both
+    _matched: tuple = field(default=(None, -1, 0), repr=False)
+
+    def _match(self, context: Sequence[int], k: int) -> list[int]:
+        """prompt lookup's ``match(context, k)`` tokens."""
+        seen, length, follow = self._matched
+        if seen is not context or length != len(context):
+            n, follow = self.lookup.find(context)
+            follow = follow if n else len(context)
+            self._matched = (context, len(context), follow)
+        return [int(t) for t in context[follow: follow + k]]
 
     def candidates(self, context: Sequence[int]) -> tuple[str, ...]:
-        _, tokens = self.lookup.match(context, 1)
-        if not tokens:
+        if not self._match(context, 1):
             return (self.model.name,)
         if len(context) - self.model.seen > self.model.catch_up_after:  # the draft model is cold here
             return self.lookup.name, self.model.name
@@ -48,7 +59,7 @@ class HybridDrafter:
         if using == self.lookup.name:
             return await self.lookup.propose(context, k, seed, distribution)
         proposal = await self.model.propose(context, k, seed, distribution)
-        _, alternative = self.lookup.match(context, k + 1)  # the round emits k + 1 tokens at most
+        alternative = self._match(context, k + 1)  # the round emits k + 1 tokens at most
         return replace(proposal, alternatives=((self.lookup.name, alternative),)) if alternative else proposal
 
     def warm_up(self, context: Sequence[int], seed: int,

@@ -35,6 +35,10 @@ class PromptLookupDrafter:
         """(n, tokens): the longest n-gram match found and up to ``k`` tokens that followed it."""
         return lookup(context, k, self.max_ngram, self.min_ngram)
 
+    def find(self, context: Sequence[int]) -> tuple[int, int]:
+        """(n, where the tokens that followed the match start in ``context``); (0, 0): no match."""
+        return find(context, self.max_ngram, self.min_ngram)
+
     async def propose(self, context: Sequence[int], k: int, seed: int, distribution: bool,
                       using: str | None = None) -> Proposal:
         started = self.clock()
@@ -53,8 +57,16 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tu
     """The continuation (up to ``k`` tokens) of the latest earlier occurrence of the
     context's last n tokens, for the largest n in max_ngram..min_ngram that occurs;
     (0, []) when none does."""
-    if k <= 0 or len(context) < 2:
+    if k <= 0:
         return 0, []
+    n, follow = find(context, max_ngram, min_ngram)
+    return (n, [int(t) for t in context[follow: follow + k]]) if n else (0, [])
+
+
+def find(context: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[int, int]:
+    """(n, where the continuation starts) of ``lookup``'s match; (0, 0) when there is none."""
+    if len(context) < 2:
+        return 0, 0
     tokens = np.asarray(context, dtype=np.int64)
     size = len(tokens)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
@@ -62,9 +74,8 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tu
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)  # starts 0..size-1-n
         starts = np.flatnonzero((windows == pattern).all(axis=1))
         if starts.size:
-            follow = int(starts[-1]) + n  # the latest occurrence, what followed it
-            return n, [int(t) for t in tokens[follow: follow + k]]
-    return 0, []
+            return n, int(starts[-1]) + n  # the latest occurrence, what followed it
+    return 0, 0
 
 
 # A search, not a forward: nothing, next to a target step.

@@ -113,6 +113,26 @@ def test_forwards_take_the_tables_time_for_all_their_rows_and_batch_in_flight():
     assert engine.last_forward == (1, 1)
 
 
+def test_a_forward_counts_from_when_its_calls_arrived_not_from_when_the_adapter_got_to_them():
+    """An idle engine begins a forward as a call arrives (TensorRT-LLM's executor
+    picks it up as it is enqueued): the adapter's own Python work before the step
+    is inside the forward's time. A call that arrives while a forward runs waits
+    for that forward's end."""
+    clock = FakeClock()
+    engine = SimEngine(SyntheticLM(VOCAB, "target"), StepTime(7.0, 0.0), clock=clock, sleeper=clock.sleep)
+    clock.now = 1.0
+    engine.submit(EngineRequest(np.arange(1, 4), 2), arrived=0.9995)  # read 0.5 ms ago
+    engine.step()
+    assert clock.slept == [pytest.approx(0.0065)] and clock.now == pytest.approx(1.0065)
+    engine.submit(EngineRequest(np.arange(10, 14), 1), arrived=1.003)  # arrived during that forward
+    engine.step()  # both calls: begins when the last forward's time was up
+    assert clock.slept[-1] == pytest.approx(0.007) and clock.now == pytest.approx(1.0135)
+    clock.now = 2.0
+    engine.submit(EngineRequest(np.arange(20, 24), 1))  # no arrival given: now
+    engine.step()
+    assert clock.slept[-1] == pytest.approx(0.007)
+
+
 def test_sampled_calls_carry_the_real_vocabulary_and_follow_their_seed():
     engine = SimEngine(SyntheticLM(VOCAB, "draft"), StepTime(0, 0), sleep=False)
     params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=5)
