@@ -79,6 +79,7 @@ class SimCall:
     result: CallResult | None = None
     error: BaseException | None = None
     started: bool = False  # its context phase is done
+    arrived: float | None = None  # when it reached the engine (the adapter's clock); None: when submitted
 
     @property
     def finished(self) -> bool:
@@ -111,10 +112,13 @@ class SimEngine:
         self.forwards = 0
         self.last_forward = (0, 0)  # (calls, rows)
         self.busy_seconds = 0.0  # what the forwards' own work took (not the sleeps)
+        self.free_at = 0.0  # when the last forward's time was up
 
     # -- calls ---------------------------------------------------------------
 
-    def submit(self, request: EngineRequest, on_tokens=None) -> SimCall:
+    def submit(self, request: EngineRequest, on_tokens=None, arrived: float | None = None) -> SimCall:
+        """``arrived``: when the call reached the engine, if before now (the forward
+        that carries it may have begun then)."""
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
@@ -122,7 +126,8 @@ class SimEngine:
         compact = None
         if sampling.greedy and sampling.penalties is None and not sampling.log_probs and not request.return_logits:
             compact = _Compact()
-        call = SimCall(request, input_ids.tolist(), drafts, self._reused(input_ids), compact, on_tokens)
+        call = SimCall(request, input_ids.tolist(), drafts, self._reused(input_ids), compact, on_tokens,
+                       arrived=self.clock() if arrived is None else arrived)
         if not drafts:
             call.plain = PlainDecoding(request.max_new_tokens, sampling, self._end(call), input_ids)
         self.calls.append(call)
@@ -160,7 +165,14 @@ class SimEngine:
 
     def step(self) -> list[SimCall]:
         """One forward over the calls in flight; returns the calls it finished,
-        after the forward's time has passed."""
+        after the forward's time has passed.
+
+        The forward's time runs from when it could have begun: once the last
+        forward's time was up and every call it carries had arrived, as an
+        executor does that picks a call up as it is enqueued. The adapter's own
+        work between a call's arrival and this step (reading its tensors in
+        Python, waking this thread) is then inside the forward's time, as the
+        C++ backend's is on a GPU host, not added to it."""
         if not self.calls:
             return []
         started = self.clock()
@@ -183,8 +195,10 @@ class SimEngine:
         self.forwards += 1
         self.last_forward = (len(carried), rows)
         self.busy_seconds += self.clock() - started
+        begun = min(started, max([self.free_at, *(call.arrived for call in carried)]))
+        self.free_at = begun + self.step_time.seconds(rows)
         if self.sleep:
-            left = started + self.step_time.seconds(rows) - self.clock()
+            left = self.free_at - self.clock()
             if left > 0:
                 self.sleeper(left)
         for call, new in streamed:

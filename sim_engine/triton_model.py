@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +61,14 @@ class TritonPythonModel:
         self._senders: dict[int, tuple[object, bool]] = {}
         self._streamed: dict[int, int] = {}
         self._wake = threading.Condition()
-        self._incoming: list[tuple[object, EngineRequest, bool]] = []
+        self._incoming: list[tuple[object, EngineRequest, bool, float]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-sim", daemon=True)
         self._thread.start()
         log.info("%s: sim engine, preset %s, vocabulary %d", self.name, chosen.name, vocab)
 
     def execute(self, requests):
+        arrived = time.monotonic()  # the engine's clock: its forwards may count from here
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -76,7 +78,7 @@ class TritonPythonModel:
                 _send_error(sender, f"{self.name}: {error}")
                 continue
             with self._wake:
-                self._incoming.append((sender, sim_request, streaming))
+                self._incoming.append((sender, sim_request, streaming, arrived))
                 self._wake.notify()
         return None
 
@@ -90,9 +92,10 @@ class TritonPythonModel:
                 if self._stopping:
                     return
                 incoming, self._incoming = self._incoming, []
-            for sender, sim_request, streaming in incoming:
+            for sender, sim_request, streaming, arrived in incoming:
                 try:
-                    call = self.engine.submit(sim_request, on_tokens=self._stream if streaming else None)
+                    call = self.engine.submit(sim_request, on_tokens=self._stream if streaming else None,
+                                              arrived=arrived)
                 except EngineRequestError as error:
                     _send_error(sender, f"{self.name}: {error}")
                     continue
