@@ -6,7 +6,10 @@ tokens/s, the speed-up beside the ideal computed from the preset's step times
 and acceptance (sim_engine/presets.py, ``ideal``), and the serving stack's CPU
 time: tritonserver's and the coordinator stub's utime+stime (/proc/<pid>/stat)
 over the run, per round and per token. The sim engines' own stubs are not
-counted (they sleep through their forwards)."""
+counted in it (on a GPU host the engines are TensorRT-LLM's C++ backend, not
+Python processes); their CPU and how busy the host's cores were are reported
+beside it, since on a small host the simulation's own Python takes cores the
+stack then lacks."""
 
 from __future__ import annotations
 
@@ -44,15 +47,32 @@ def cpu_seconds(pid: int) -> float:
 
 def stack_pids(server_pid: int) -> dict[str, int]:
     """tritonserver and its coordinator stub (by the model path the stub is given)."""
-    pids = {"tritonserver": server_pid}
+    return {"tritonserver": server_pid, **_stubs(server_pid, {"coordinator": b"/coordinator/"})}
+
+
+def engine_pids(server_pid: int) -> dict[str, int]:
+    """The sim engines' stubs (models target and draft)."""
+    return _stubs(server_pid, {"target": b"/target/", "draft": b"/draft/"})
+
+
+def _stubs(server_pid: int, paths: dict[str, bytes]) -> dict[str, int]:
+    pids = {}
     for pid in process_tree(server_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(cmdline) > 1 and b"/coordinator/" in cmdline[1]:
-            pids["coordinator"] = pid
+        for name, path in paths.items():
+            if len(cmdline) > 1 and path in cmdline[1]:
+                pids[name] = pid
     return pids
+
+
+def host_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole host since boot (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 @dataclass
@@ -65,6 +85,10 @@ class Run:
     drafted: int
     accepted: int
     cpu: dict[str, float]
+    plain_rounds: int = 0  # rounds of a speculative run that decoded plainly
+    reasons: dict[str, int] | None = None  # why requests decoded plainly (fallback_reason), by count
+    engine_cpu: float = 0.0  # the sim engines' stubs, seconds
+    host_busy: float = 0.0  # share of the host's CPU time that was busy
 
     @property
     def tokens_per_second(self) -> float:
@@ -84,7 +108,7 @@ def generate(url: str, prompt: str, max_tokens: int, window: int | None) -> dict
         return json.loads(response.read())
 
 
-def run_level(url: str, pids: dict[str, int], streams: int, mode: str, max_tokens: int, requests: int,
+def run_level(url: str, pids: dict[str, int], engines: dict[str, int], streams: int, mode: str, max_tokens: int, requests: int,
               tag: str) -> Run:
     window = 0 if mode == "plain" else None
     results: list[dict] = []
@@ -103,6 +127,7 @@ def run_level(url: str, pids: dict[str, int], streams: int, mode: str, max_token
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(streams)]
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    engines_before, ticks_before = sum(cpu_seconds(pid) for pid in engines.values()), host_ticks()
     started = time.monotonic()
     for thread in threads:
         thread.start()
@@ -110,23 +135,30 @@ def run_level(url: str, pids: dict[str, int], streams: int, mode: str, max_token
         thread.join()
     seconds = time.monotonic() - started
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    engine_cpu = sum(cpu_seconds(pid) for pid in engines.values()) - engines_before
+    busy_ticks, all_ticks = (now - then for now, then in zip(host_ticks(), ticks_before))
     if errors:
         raise RuntimeError(f"{mode} at {streams} streams: {errors[0]}")
 
     def total(key):
         return sum(int(out.get(key, 0)) for out in results)
 
+    reasons: dict[str, int] = {}
+    for out in results:
+        if out.get("fallback_reason"):
+            reasons[out["fallback_reason"]] = reasons.get(out["fallback_reason"], 0) + 1
     return Run(streams, mode, total("completion_tokens"), seconds, total("speculative_rounds") + total("plain_rounds"),
-               total("total_draft_tokens"), total("total_accepted_draft_tokens"), cpu)
+               total("total_draft_tokens"), total("total_accepted_draft_tokens"), cpu, total("plain_rounds"),
+               reasons, engine_cpu, busy_ticks / all_ticks if all_ticks > 0 else 0.0)
 
 
-def measure(url: str, pids: dict[str, int], levels: list[int], max_tokens: int, repeats: int) -> list[dict]:
+def measure(url: str, pids: dict[str, int], engines: dict[str, int], levels: list[int], max_tokens: int, repeats: int) -> list[dict]:
     rows = []
     for streams in levels:
         requests = max(1, repeats // streams) if streams > 1 else repeats
-        run_level(url, pids, streams, "speculative", 16, 1, f"warm{streams}")  # warm-up (not counted)
-        plain = run_level(url, pids, streams, "plain", max_tokens, requests, "m")
-        spec = run_level(url, pids, streams, "speculative", max_tokens, requests, "m")
+        run_level(url, pids, engines, streams, "speculative", 16, 1, f"warm{streams}")  # warm-up (not counted)
+        plain = run_level(url, pids, engines, streams, "plain", max_tokens, requests, "m")
+        spec = run_level(url, pids, engines, streams, "speculative", max_tokens, requests, "m")
         rows.append({"streams": streams, "plain": plain, "speculative": spec})
     return rows
 
@@ -139,8 +171,9 @@ def report(rows: list[dict], preset_name: str, max_tokens: int) -> tuple[str, li
         f"sim preset {preset_name}: target {p.target.base_ms} ms + {p.target.per_row_ms} ms/row, draft "
         f"{p.draft.base_ms} ms + {p.draft.per_row_ms} ms/row, agreement {p.agreement}; greedy, {max_tokens} tokens",
         "| streams | plain tok/s | spec tok/s | speed-up | ideal (window) | of ideal | accepted/drafted "
-        "| stack CPU ms/spec round | stack CPU ms/plain token | CPU ms/round: tritonserver + coordinator |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| stack CPU ms/spec round | stack CPU ms/plain token | CPU ms/round: tritonserver + coordinator "
+        "| sim engines' CPU ms/spec round | host busy, plain / spec |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out = []
     for row in rows:
@@ -156,6 +189,9 @@ def report(rows: list[dict], preset_name: str, max_tokens: int) -> tuple[str, li
             "cpu_ms_per_plain_token": plain.cpu_ms_per(plain.tokens),
             "cpu_split_per_round_ms": {k: 1000 * v / max(spec.rounds, 1) for k, v in spec.cpu.items()},
             "rounds": spec.rounds, "tokens_per_round": spec.tokens / max(spec.rounds, 1),
+            "sim_engines_cpu_ms_per_speculative_round": 1000 * spec.engine_cpu / max(spec.rounds, 1),
+            "host_busy": {"plain": plain.host_busy, "speculative": spec.host_busy},
+            "plain_rounds_share": spec.plain_rounds / max(spec.rounds, 1), "fallback_reasons": spec.reasons,
         }
         out.append(record)
         split = " + ".join(f"{v:.2f}" for v in record["cpu_split_per_round_ms"].values())
@@ -163,7 +199,9 @@ def report(rows: list[dict], preset_name: str, max_tokens: int) -> tuple[str, li
             f"| {row['streams']} | {plain.tokens_per_second:.0f} | {spec.tokens_per_second:.0f} | {speedup:.2f}x | "
             f"{best:.2f}x ({window}) | {100 * speedup / best:.0f} % | "
             f"{record['acceptance'] if record['acceptance'] is None else round(record['acceptance'], 2)} | "
-            f"{record['cpu_ms_per_speculative_round']:.2f} | {record['cpu_ms_per_plain_token']:.2f} | {split} |")
+            f"{record['cpu_ms_per_speculative_round']:.2f} | {record['cpu_ms_per_plain_token']:.2f} | {split} | "
+            f"{record['sim_engines_cpu_ms_per_speculative_round']:.2f} | "
+            f"{100 * plain.host_busy:.0f} % / {100 * spec.host_busy:.0f} % |")
     return "\n".join(lines), out
 
 
@@ -196,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
     if args.url:
-        rows = measure(args.url, stack_pids(args.pid) if args.pid else {}, levels, args.max_tokens, args.repeats)
+        rows = measure(args.url, stack_pids(args.pid) if args.pid else {}, engine_pids(args.pid) if args.pid else {},
+                       levels, args.max_tokens, args.repeats)
     else:
         from launcher.launch import ServerOptions, prepare, start, wait_until_ready
 
@@ -208,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             process = start(options, pair, stdout=log, stderr=log)
         try:
             wait_until_ready(process, options, timeout=300)
-            rows = measure(f"http://127.0.0.1:{options.http_port}", stack_pids(process.pid), levels,
-                           args.max_tokens, args.repeats)
+            rows = measure(f"http://127.0.0.1:{options.http_port}", stack_pids(process.pid),
+                           engine_pids(process.pid), levels, args.max_tokens, args.repeats)
         finally:
             process.terminate()
             process.wait(timeout=60)
