@@ -4,7 +4,9 @@ Pure numpy: the BLS adapter wraps these arrays in Triton tensors."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
 import numpy as np
 from coordinator.engines.contract import ENGINE_INPUTS
 from coordinator.sampling.penalties import word_list
@@ -109,5 +111,5 @@ def _rows(array: np.ndarray, trailing: int) -> np.ndarray:
     array = np.asarray(array)
     if array.ndim <= trailing:
         return array.reshape(1, *array.shape)
-    lead = int(np.prod(array.shape[:-trailing]))
+    lead = math.prod(array.shape[:-trailing])
     return array.reshape(lead, *array.shape[-trailing:])

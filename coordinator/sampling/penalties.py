@@ -19,6 +19,7 @@ numpy only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 import numpy as np
@@ -122,7 +123,7 @@ def word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
     """Token sequences in the tensorrtllm backend's ``bad_words_list`` format
     [1, 2, n]: the flat ids, then each word's end offset (padded with -1)."""
     flat = [int(t) for word in words for t in word]
-    offsets = list(np.cumsum([len(word) for word in words]).astype(int))
+    offsets = list(itertools.accumulate(len(word) for word in words))  # each engine call builds one: no numpy
     width = max(len(flat), 1)
     ids = flat + [0] * (width - len(flat))
     ends = offsets + [-1] * (width - len(offsets))
