@@ -37,11 +37,23 @@ The draft's fit needs two row counts; with one, its forward is taken to
 grow with rows as the target's does. A forecast is a prediction: the
 metrics show it beside what the governor measures, and the governor's
 trial epochs correct it.
+
+The engines are not the only bound. The coordinator is one Python process
+whose rounds run under one interpreter lock: it emits at most
+CPU_CAPACITY / (CPU per speculative round) rounds per second, and plain
+tokens at most CPU_CAPACITY / (CPU per plain token), whatever the engines
+could serve. Where forwards take milliseconds (a GPU) and a round costs the
+coordinator a few milliseconds of CPU, that bound comes first at a load of
+a few tens of streams, and it comes sooner for speculation (two engine calls
+and a verification's bookkeeping a round) than for plain decoding (one
+streamed response a token). ``CpuFit`` measures both costs while serving
+(the process's CPU time against the rounds and plain tokens of each
+interval) and each regime's forecast is capped by its bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from coordinator.policy.expectation import expected_tokens_per_round
 
@@ -50,6 +62,12 @@ from coordinator.policy.expectation import expected_tokens_per_round
 DECAY = 0.995
 # Row counts closer than this (in weighted spread) cannot tell a slope from noise.
 MIN_ROW_SPREAD = 0.25
+# CPU seconds per second the coordinator's process can spend on rounds: its Python
+# runs under one interpreter lock, so about one core whatever the host has.
+CPU_CAPACITY = 1.0
+# Below this (relative) determinant the intervals' mixes of speculative rounds and
+# plain tokens are too alike to tell their costs apart.
+MIN_MIX_SPREAD = 0.05
 
 
 @dataclass
@@ -101,6 +119,46 @@ class ForwardFit:
         return None if line is None else line[0] + line[1] * rows
 
 
+@dataclass
+class CpuFit:
+    """cpu = per_round * speculative_rounds + per_token * plain_tokens over intervals of
+    serving, by recency-weighted least squares (no intercept: an idle coordinator costs
+    next to nothing)."""
+
+    rr: float = 0.0  # sums of rounds^2, rounds*tokens, tokens^2, rounds*cpu, tokens*cpu
+    rt: float = 0.0
+    tt: float = 0.0
+    rc: float = 0.0
+    tc: float = 0.0
+    samples: int = 0
+
+    def add(self, cpu_seconds: float, rounds: int, plain_tokens: int) -> None:
+        if cpu_seconds < 0 or rounds + plain_tokens <= 0:
+            return
+        d = DECAY
+        self.rr = d * self.rr + rounds * rounds
+        self.rt = d * self.rt + rounds * plain_tokens
+        self.tt = d * self.tt + plain_tokens * plain_tokens
+        self.rc = d * self.rc + rounds * cpu_seconds
+        self.tc = d * self.tc + plain_tokens * cpu_seconds
+        self.samples += 1
+
+    def costs(self) -> tuple[float | None, float | None]:
+        """(CPU seconds per speculative round, per plain token); None where the
+        intervals seen cannot tell it (a regime not run, or always run in one mix)."""
+        determinant = self.rr * self.tt - self.rt * self.rt
+        if self.rr > 0 and self.tt > 0 and determinant > MIN_MIX_SPREAD * self.rr * self.tt:
+            per_round = (self.tt * self.rc - self.rt * self.tc) / determinant
+            per_token = (self.rr * self.tc - self.rt * self.rc) / determinant
+            return (per_round if per_round > 0 else None), (per_token if per_token > 0 else None)
+        # one regime alone: its cost is known only where the other never ran
+        if self.rr > 0 and self.tt == 0:
+            return self.rc / self.rr, None
+        if self.tt > 0 and self.rr == 0:
+            return None, self.tc / self.tt
+        return None, None
+
+
 @dataclass(frozen=True)
 class Forecast:
     """Predicted tokens per second the whole batch emits in each regime."""
@@ -129,6 +187,7 @@ class BatchForecaster:
 
     target: ForwardFit
     draft: ForwardFit
+    cpu: CpuFit = field(default_factory=CpuFit)
 
     @classmethod
     def empty(cls) -> BatchForecaster:
@@ -161,10 +220,17 @@ class BatchForecaster:
         draft_step = self.draft_seconds(streams)
         if plain_step is None or draft_step is None or plain_step <= 0:
             return None
+        per_round, per_token = self.cpu.costs()
         best_window, best = 0, 0.0
         for k in range(1, max_window + 1):
             verify = self.target.predict(streams * (k + 1))
-            rate = streams * expected_tokens_per_round(acceptance, k) / (k * draft_step + verify)
+            emitted = expected_tokens_per_round(acceptance, k)
+            rate = streams * emitted / (k * draft_step + verify)
+            if per_round:
+                rate = min(rate, CPU_CAPACITY * emitted / per_round)
             if rate > best:
                 best_window, best = k, rate
-        return Forecast(streams, streams / plain_step, best, best_window, plain_step)
+        plain = streams / plain_step
+        if per_token:
+            plain = min(plain, CPU_CAPACITY / per_token)
+        return Forecast(streams, plain, best, best_window, plain_step)

@@ -31,6 +31,8 @@ the draft model for a forward per token.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.drafters import registry
@@ -55,6 +57,8 @@ PREFILL_EXPLORE_EVERY = 8
 CONTEXT_BUCKETS = (512, 1024, 2048)
 # Upper bounds of the load buckets (requests decoding at once); the last is open.
 LOAD_BUCKETS = (1, 2, 4, 8)
+# Seconds of serving per sample of the coordinator's CPU time (batchcost.CpuFit).
+CPU_SAMPLE_SECONDS = 1.0
 
 
 def context_bucket(tokens: int) -> int:
@@ -176,6 +180,13 @@ class CostModel:
     # The engines' forward costs as functions of rows, across loads: what prices a
     # load that has not been measured (coordinator/policy/batchcost.py).
     batch: BatchForecaster = field(default_factory=BatchForecaster.empty)
+    # The coordinator process's CPU seconds so far (time.process_time), sampled every
+    # CPU_SAMPLE_SECONDS against the rounds observed meanwhile; None: not measured.
+    cpu_clock: Callable[[], float] | None = None
+    wall_clock: Callable[[], float] = time.monotonic
+    speculative_rounds: int = 0  # observed so far
+    plain_tokens: int = 0
+    _cpu_mark: tuple[float, float, int, int] | None = None  # (wall, cpu, rounds, plain tokens) at the last sample
 
     def cell(self, context: int = 0, streams: int | None = None) -> Timings:
         key = (context_bucket(context), load_bucket(self.streams if streams is None else streams))
@@ -202,6 +213,27 @@ class CostModel:
         elif round_.target_sample is not None and round_.tokens:
             self.observe_plain(round_.target_sample / len(round_.tokens), round_.context)
             self.batch.observe_target(streams, round_.target_sample / len(round_.tokens))
+        if round_.speculative:
+            self.speculative_rounds += 1
+        else:
+            self.plain_tokens += len(round_.tokens)
+        self._sample_cpu()
+
+    def _sample_cpu(self) -> None:
+        """Feed the CPU fit the coordinator's CPU time of the interval since the last sample."""
+        if self.cpu_clock is None:
+            return
+        now, mark = self.wall_clock(), self._cpu_mark
+        if mark is not None and now - mark[0] < CPU_SAMPLE_SECONDS:
+            return
+        cpu = self.cpu_clock()
+        if mark is not None:
+            self.batch.cpu.add(cpu - mark[1], self.speculative_rounds - mark[2], self.plain_tokens - mark[3])
+        self._cpu_mark = (now, cpu, self.speculative_rounds, self.plain_tokens)
+
+    def coordinator_cpu(self) -> tuple[float | None, float | None]:
+        """The coordinator's CPU seconds per speculative round and per plain token, as measured."""
+        return self.batch.cpu.costs()
 
     def forecast(self, streams: int, prior_acceptance: float, max_window: int) -> Forecast | None:
         """What a batch of ``streams`` streams would serve plain and drafting with the draft

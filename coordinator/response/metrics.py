@@ -171,6 +171,13 @@ FORECAST_ERROR = {
 FORECAST_STEP = _spec("specdec_forecast_plain_step_seconds", GAUGE,
                       "Predicted seconds of one plain target forward of the current batch "
                       "(measured: specdec_plain_step_seconds)")
+COORDINATOR_CPU = {
+    unit: _spec("specdec_coordinator_cpu_seconds", GAUGE,
+                "CPU seconds the coordinator's process spends per speculative round or per plain token, "
+                "measured while serving; one process emits at most about one CPU second of them a second",
+                [("unit", unit)])
+    for unit in ("speculative_round", "plain_token")
+}
 ACCEPTED_PER_ROUND = _spec(
     "specdec_accepted_tokens_per_round",
     HISTOGRAM,
@@ -225,6 +232,7 @@ FIXED_SPECS = (
     *FORECAST_ERROR.values(),
     *MEASURED_RATE.values(),
     FORECAST_STEP,
+    *COORDINATOR_CPU.values(),
     ACCEPTED_PER_ROUND,
     *TTFT_BY_ARM.values(),
     *ITL_BY_ARM.values(),
@@ -316,6 +324,9 @@ class MetricsRecorder:
             get(FORECAST_RATE[PLAIN]).set(forecast.plain)
             get(FORECAST_RATE[SPECULATE]).set(forecast.speculative)
             get(FORECAST_STEP).set(forecast.plain_step)
+        for unit, seconds in zip(COORDINATOR_CPU, self.costs.coordinator_cpu()):
+            if seconds is not None:
+                get(COORDINATOR_CPU[unit]).set(seconds)
         for regime in (PLAIN, SPECULATE):
             get(MEASURED_RATE[regime]).set(governor.rate(streams, regime) or 0.0)
             if regime in governor.forecast_error:

@@ -415,7 +415,8 @@ class TritonPythonModel:
         decoupled = self.settings.engine_decoupled
         self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled)
         self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input, decoupled)
-        self.costs = CostModel()  # server-wide engine timings and acceptance
+        # server-wide engine timings and acceptance, and this process's CPU per round
+        self.costs = CostModel(cpu_clock=time.process_time)
         window, prior = max(1, self.settings.speculation_window), self.settings.policy.prior_acceptance
         # server-wide: does speculation pay at this load (priced by the forecast until measured)
         self.governor = LoadGovernor(forecast=lambda streams: self.costs.forecast(streams, prior, window))

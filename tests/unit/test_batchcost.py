@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from coordinator.policy.batchcost import BatchForecaster, Forecast, ForwardFit
+from coordinator.policy.batchcost import BatchForecaster, CpuFit, Forecast, ForwardFit
 from coordinator.policy.costmodel import CostModel, MovingAverage
 from coordinator.policy.expectation import expected_tokens_per_round
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
@@ -182,3 +182,64 @@ def test_an_uncalibrated_forecast_of_speculation_must_win_by_a_margin():
     calibrated = governor_over(11.0)
     calibrated.calibration[SPECULATE] = MovingAverage(1.0, 2)  # its epochs measured what it predicted
     assert calibrated.speculation_allowed(2)
+
+
+def test_the_coordinators_cpu_per_round_and_per_plain_token_are_told_apart_from_mixed_intervals():
+    """Intervals of serving mix speculative rounds and plain tokens; the fit recovers
+    what each costs the coordinator's CPU, and says nothing of a cost it cannot tell."""
+    fit = CpuFit()
+    for rounds, tokens in [(100, 20), (40, 300), (10, 900), (200, 0), (0, 500)] * 4:
+        fit.add(0.002 * rounds + 0.0003 * tokens, rounds, tokens)
+    per_round, per_token = fit.costs()
+    assert per_round == pytest.approx(0.002) and per_token == pytest.approx(0.0003)
+    only_plain = CpuFit()
+    only_plain.add(0.3, 0, 1000)
+    assert only_plain.costs() == (None, pytest.approx(0.0003))
+    same_mix = CpuFit()  # every interval in the same proportion: the two costs cannot be told apart
+    for scale in (1, 2, 3):
+        same_mix.add(scale * 0.23, 100 * scale, 100 * scale)
+    assert same_mix.costs() == (None, None)
+
+
+def test_a_coordinator_at_its_cpu_bound_caps_each_regime_and_plain_decoding_wins():
+    """GPU-like forwards (7 ms, nearly free rows): the engines alone price speculation
+    1.6x plain decoding at 16 streams, but a speculative round costs the coordinator
+    2.5 ms of CPU and a plain token 0.3 ms; one process spends about a CPU second a
+    second, so speculation is capped at 400 rounds/s (under 1,750 tokens/s even at
+    the longest window, which the cap favours) and plain decoding, at ~2,100, is the
+    faster regime. At one stream neither bound binds."""
+    gpu = forecaster(line(0.007, 0.00003), line(0.0015, 0.00001))
+    uncapped = gpu.forecast(16, acceptance=0.8, max_window=8)
+    assert uncapped.faster == SPECULATE
+    for rounds, tokens in [(300, 50), (50, 2000)] * 3:
+        gpu.cpu.add(0.0025 * rounds + 0.0003 * tokens, rounds, tokens)
+    capped = gpu.forecast(16, acceptance=0.8, max_window=8)
+    assert capped.faster == PLAIN and capped.window == 8
+    assert capped.speculative == pytest.approx(expected_tokens_per_round(0.8, 8) / 0.0025)
+    assert capped.plain == pytest.approx(uncapped.plain)  # 2,100 tokens/s: under plain's CPU bound of 3,300
+    one = gpu.forecast(1, acceptance=0.8, max_window=8)
+    assert one == uncapped_at_one(gpu)
+
+
+def uncapped_at_one(batch: BatchForecaster):
+    bare = BatchForecaster(batch.target, batch.draft)
+    return bare.forecast(1, acceptance=0.8, max_window=8)
+
+
+def test_the_cost_model_samples_the_coordinators_cpu_once_a_second_against_the_rounds_between():
+    wall, cpu = [0.0], [5.0]
+    costs = CostModel(cpu_clock=lambda: cpu[0], wall_clock=lambda: wall[0])
+    spec = Round([1, 2, 3], 3, 2, False, 0.004, 0.008, drafter="draft_model", draft_sample=0.004, target_sample=0.008)
+    plain = Round([7], 0, 0, False, 0.0, 0.007, target_sample=0.007)
+    for second in range(6):
+        for _ in range(100 if second % 2 else 20):
+            wall[0] += 0.01 if second % 2 else 0.05
+            cpu[0] += 0.002
+            costs.observe(spec)
+        for _ in range(50 if second % 2 else 200):
+            cpu[0] += 0.0003
+            costs.observe(plain)
+    assert costs.batch.cpu.samples >= 4
+    per_round, per_token = costs.coordinator_cpu()
+    assert per_round == pytest.approx(0.002, rel=0.05) and per_token == pytest.approx(0.0003, rel=0.1)
+    assert CostModel().coordinator_cpu() == (None, None)  # no CPU clock: nothing measured, nothing capped

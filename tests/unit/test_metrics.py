@@ -145,7 +145,8 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
 def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_side():
     from coordinator.policy.batchcost import BatchForecaster
     from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
-    from coordinator.response.metrics import FORECAST_ERROR, FORECAST_RATE, FORECAST_STEP, MEASURED_RATE
+    from coordinator.response.metrics import (COORDINATOR_CPU, FORECAST_ERROR, FORECAST_RATE, FORECAST_STEP,
+                                              MEASURED_RATE)
 
     batch = BatchForecaster.empty()
     for rows in (1, 5):
@@ -158,7 +159,10 @@ def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_s
     made = {}
     metrics = MetricsRecorder(lambda spec: made.setdefault(spec, Fake()), Clock(), governor=governor)
     metrics.costs.streams = 4
+    metrics.costs.batch.cpu.add(0.05, 0, 100)  # plain tokens only: 0.5 ms of coordinator CPU each
     metrics.start_request().round(Round([1], drafted=0, accepted=0, finished=False))
+    assert made[COORDINATOR_CPU["plain_token"]].value == pytest.approx(0.0005)
+    assert COORDINATOR_CPU["speculative_round"] not in made or made[COORDINATOR_CPU["speculative_round"]].value is None
     forecast = batch.forecast(4, 0.7, 4)
     assert made[FORECAST_RATE[PLAIN]].value == pytest.approx(4 / (0.1 + 0.02 * 4)) == forecast.plain
     assert forecast.speculative > 0 and made[FORECAST_RATE[SPECULATE]].value == pytest.approx(0.5 * forecast.speculative)
