@@ -212,7 +212,8 @@ class LoadGovernor:
         if plain is not None and speculate is not None:
             measured = f"plain decoding measured {plain:.2f} tokens/s against speculation's {speculate:.2f}"
         elif forecast is not None:
-            measured = (f"the engines' forward costs predict plain decoding {forecast.plain:.2f} tokens/s "
+            measured = (f"the engines' forward costs and the coordinator's CPU predict plain decoding "
+                        f"{forecast.plain:.2f} tokens/s "
                         f"against speculation's {forecast.speculative:.2f} at {forecast.streams} streams "
                         f"(not measured at this load yet)")
         else:

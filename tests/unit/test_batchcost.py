@@ -121,7 +121,7 @@ def test_a_load_never_measured_starts_in_the_regime_the_forecast_prices_faster()
     assert not compute_bound.speculation_allowed(8) and memory_bound.speculation_allowed(8)
     assert compute_bound.speculation_allowed(1)  # one stream is never governed
     reason = compute_bound.why_plain(8)
-    assert "forward costs predict plain decoding" in reason and "not measured at this load yet" in reason, reason
+    assert "forward costs and the coordinator's CPU predict plain decoding" in reason and "not measured at this load yet" in reason, reason
 
 
 def test_measured_epochs_overrule_the_forecast():
