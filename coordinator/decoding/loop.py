@@ -58,9 +58,7 @@ from coordinator.verification.outcome import (before_end, common_prefix_length, 
 log = logging.getLogger(__name__)
 
 # Plain tokens per call while the draft prefills the prompt in the background:
-# short, so speculation starts soon after the draft is ready (and no shorter than
-# the policy's shortest stretch: a call that joins a batch in flight waits out
-# the forward under way).
+# short, so speculation starts soon after the draft is ready.
 WARMUP_STRETCH = 2
 
 
@@ -174,9 +172,7 @@ def plain_stretch_length(state: Decoding, warm_up: DraftWarmUp, most: int) -> in
     planned speculative round, short while the draft warms up."""
     planned = state.policy.plain_rounds_planned(state.free_drafter, draft_model=warm_up.verdict is not False)
     stretch = min(state.remaining, most, planned)
-    if warm_up.running or warm_up.deferred:
-        return min(stretch, max(WARMUP_STRETCH, state.policy.shortest_stretch()))
-    return stretch
+    return min(stretch, WARMUP_STRETCH) if warm_up.running or warm_up.deferred else stretch
 
 
 def plain_reason(policy: SpeculationPolicy, warm_up: DraftWarmUp, drafter: Drafter, remaining: int) -> str:

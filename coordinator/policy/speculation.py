@@ -78,11 +78,6 @@ UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
 # measurable, on a GPU (forwards of a few ms, a batch in flight to join) it can
 # cost as much as the token.
 CALL_OVERHEAD_SHARE = 0.1
-# What a new call waits, in forwards, for the one under way when it joins a batch in flight.
-JOIN_WAIT = 0.5
-# A measured round trip shorter than this never lengthens a call (it is noise next to
-# any forward of a real engine).
-MIN_CALL_OVERHEAD = 0.001
 
 
 class Mode(str, Enum):
@@ -317,23 +312,18 @@ class SpeculationPolicy:
         if self.held_back:
             return max(self.settings.probe_interval, self._held_back_tokens())
         if free_drafter or self.mode is Mode.SPECULATING:
-            return self.shortest_stretch()
+            return self._shortest_stretch()
         return max(1, self._interval - self._plain_rounds)
 
-    def shortest_stretch(self) -> int:
-        """The fewest plain tokens a call asks for: enough that a new call's round trip
-        costs at most CALL_OVERHEAD_SHARE of their time. While other requests decode, the
-        engines batch in flight and a new call waits out the forward under way, half a
-        forward on average; alone, a call costs what the first chunks of plain calls
-        measured over the chunks after them (on a CPU about 1 % of a forward, so one token;
-        where forwards take milliseconds, several)."""
-        joining = JOIN_WAIT if self.costs.streams > 1 else 0.0
-        least = math.ceil(joining / CALL_OVERHEAD_SHARE - 1e-9)
+    def _shortest_stretch(self) -> int:
+        """Plain tokens per call while every round may draft: one, unless a new call costs
+        more than CALL_OVERHEAD_SHARE of the tokens it streams (forwards of milliseconds, a
+        batch in flight to join), then enough that it does not."""
         measured = self.costs.call_overhead(self._context)
-        if measured is not None and measured[0] >= MIN_CALL_OVERHEAD:
-            overhead, streamed = measured
-            least = max(least, math.ceil(overhead / (CALL_OVERHEAD_SHARE * streamed) - 1e-9))
-        return max(1, least)
+        if measured is None:
+            return 1
+        overhead, streamed = measured
+        return max(1, math.ceil(overhead / (CALL_OVERHEAD_SHARE * streamed) - 1e-9))
 
     def _held_back_tokens(self) -> int:
         """The tokens this request decodes while the governor surely keeps its load plain,

@@ -345,12 +345,3 @@ def test_a_plain_stretch_between_free_drafts_is_long_enough_that_a_new_call_cost
         policy = fixed(4, costs=costs)
         policy.plan(100, (PROMPT_LOOKUP,))
         assert policy.plain_rounds_planned(free_drafter=True) == expected, (opening, streamed)
-
-
-def test_while_other_requests_decode_a_plain_call_is_at_least_five_tokens():
-    """With other streams decoding the engine is never idle: a new call waits out half
-    the forward under way, so a call of fewer than five tokens would spend more than
-    a tenth of its time joining; alone, a call waits for nothing."""
-    alone, crowd = CostModel(streams=1), CostModel(streams=3)
-    assert fixed(4, costs=alone).shortest_stretch() == 1
-    assert fixed(4, costs=crowd).shortest_stretch() == 5

@@ -203,11 +203,8 @@ def test_a_catch_up_waits_while_another_request_s_prompt_prefills_on_the_target(
     assert tokens_of(rounds) == tokens_of(plain)
     assert draft_calls_at and min(draft_calls_at) >= 4  # not one draft forward before the other's first token
     assert sum(r.drafted for r in rounds) > 0  # and it speculates once that prompt is in
-    assert any(r.plain_reason == "draft_catching_up" for r in rounds)
-    # meanwhile it decodes in calls of the policy's shortest stretch, not a token or two a
-    # call: at 2 streams the engines batch in flight, and each new call waits out half a forward
-    tokens_per_call = [b - a for a, b in zip(target.lengths, target.lengths[1:])]
-    assert tokens_per_call[:4] == [policy.shortest_stretch()] * 4 == [5] * 4
+    waiting = [r for r in rounds if not r.speculative][1:4]
+    assert all(r.plain_reason == "draft_catching_up" and len(r.tokens) <= 2 for r in waiting)
     # with no other prompt prefilling, the warm-up starts after the first stretch
     draft, target = RecordingEngine(), RecordingEngine()
     run_stretched(prompt, 40, draft, target, SpeculationPolicy(4, 0.3, costs=CostModel(streams=2),
