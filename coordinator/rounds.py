@@ -45,7 +45,6 @@ class Round:
     # drafter the round did not use (Proposal.alternatives).
     alternatives: tuple[tuple[str, int, bool], ...] = ()
     log_probs: tuple[float, ...] | None = None  # each token's, when the request asked for them
-    opens_call: bool = False  # a plain call's first chunk: its time carries the call's round trip
 
     @property
     def speculative(self) -> bool:

@@ -276,8 +276,7 @@ async def _plain_rounds(target: Engine, context: list[int], stretch: int, sampli
             sample = now - last if steady or got > len(tokens) else None
             if emitted or ended:
                 yield Round(emitted, 0, 0, ended, 0.0, now - last, context=start + got - len(tokens),
-                            target_sample=sample, log_probs=_aligned(chunk.log_probs, len(emitted), sampling),
-                            opens_call=got == len(tokens))
+                            target_sample=sample, log_probs=_aligned(chunk.log_probs, len(emitted), sampling))
             last = now
     if not ended and got < stretch:  # fewer tokens than asked and no end token: the engine stopped at the end
         yield Round([], 0, 0, True, 0.0, clock() - started if got == 0 else 0.0, context=start + got)

@@ -128,11 +128,6 @@ class Timings:
     """Engine call timings (seconds) of one (context, load) cell."""
 
     plain_step: MovingAverage = field(default_factory=MovingAverage)
-    # seconds per token of a plain call's first chunk (its round trip: the call's
-    # overhead, and under in-flight batching the wait for the forward it joins) and of
-    # the chunks after it (a forward each)
-    plain_opening: MovingAverage = field(default_factory=MovingAverage)
-    plain_streamed: MovingAverage = field(default_factory=MovingAverage)
     # what the draft's background prefill of a prompt cost the request, seconds per prompt token
     draft_prefill: MovingAverage = field(default_factory=MovingAverage)
     prefill_refusals: int = 0  # catch-ups the pricing refused in a row
@@ -216,11 +211,8 @@ class CostModel:
                 if accepted or rejected:
                     self.observe_acceptance(accepted, rejected, drafter)
         elif round_.target_sample is not None and round_.tokens:
-            per_token = round_.target_sample / len(round_.tokens)
-            self.observe_plain(per_token, round_.context)
-            self.batch.observe_target(streams, per_token)
-            cell = self.cell(round_.context)
-            (cell.plain_opening if round_.opens_call else cell.plain_streamed).add(per_token)
+            self.observe_plain(round_.target_sample / len(round_.tokens), round_.context)
+            self.batch.observe_target(streams, round_.target_sample / len(round_.tokens))
         if round_.speculative:
             self.speculative_rounds += 1
         else:
@@ -238,15 +230,6 @@ class CostModel:
         if mark is not None:
             self.batch.cpu.add(cpu - mark[1], self.speculative_rounds - mark[2], self.plain_tokens - mark[3])
         self._cpu_mark = (now, cpu, self.speculative_rounds, self.plain_tokens)
-
-    def call_overhead(self, context: int = 0, streams: int | None = None) -> tuple[float, float] | None:
-        """(seconds a new plain call adds over a streamed token, seconds of a streamed token)
-        in the cell; None before both were timed."""
-        cell = self.cell(context, streams)
-        opening, streamed = cell.plain_opening.value, cell.plain_streamed.value
-        if opening is None or streamed is None or streamed <= 0:
-            return None
-        return max(opening - streamed, 0.0), streamed
 
     def coordinator_cpu(self) -> tuple[float | None, float | None]:
         """The coordinator's CPU seconds per speculative round and per plain token, as measured."""

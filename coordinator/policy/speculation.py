@@ -59,7 +59,6 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -71,13 +70,6 @@ from coordinator.policy.governor import PLAIN, LoadGovernor
 from coordinator.rounds import Round
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
-
-
-# The most a new plain call's round trip may add to the tokens it streams, as a share
-# of their time: on a CPU (forwards of 100+ ms) a call per token costs nothing
-# measurable, on a GPU (forwards of a few ms, a batch in flight to join) it can
-# cost as much as the token.
-CALL_OVERHEAD_SHARE = 0.1
 
 
 class Mode(str, Enum):
@@ -312,18 +304,8 @@ class SpeculationPolicy:
         if self.held_back:
             return max(self.settings.probe_interval, self._held_back_tokens())
         if free_drafter or self.mode is Mode.SPECULATING:
-            return self._shortest_stretch()
-        return max(1, self._interval - self._plain_rounds)
-
-    def _shortest_stretch(self) -> int:
-        """Plain tokens per call while every round may draft: one, unless a new call costs
-        more than CALL_OVERHEAD_SHARE of the tokens it streams (forwards of milliseconds, a
-        batch in flight to join), then enough that it does not."""
-        measured = self.costs.call_overhead(self._context)
-        if measured is None:
             return 1
-        overhead, streamed = measured
-        return max(1, math.ceil(overhead / (CALL_OVERHEAD_SHARE * streamed) - 1e-9))
+        return max(1, self._interval - self._plain_rounds)
 
     def _held_back_tokens(self) -> int:
         """The tokens this request decodes while the governor surely keeps its load plain,

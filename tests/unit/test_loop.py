@@ -10,7 +10,7 @@ from coordinator.policy.costmodel import CostModel
 from coordinator.policy.speculation import Mode, SpeculationPolicy
 from coordinator.sampling.params import SamplingParams
 from tests.fakes import ToyEngine, noisy, toy_logits
-from tests.loop_helpers import FakeClock, TimedEngine, run, run_stretched, tokens_of
+from tests.loop_helpers import FakeClock, TimedEngine, run, tokens_of
 
 
 @pytest.mark.parametrize("window", [0, 1, 2, 3, 5, 8])
@@ -196,9 +196,3 @@ def test_every_plain_round_says_why_it_did_not_speculate():
     first = SpeculationPolicy(max_window=4, fallback_threshold=0.0, adaptive=False)
     started, _ = run([1], 10, ToyEngine(), ToyEngine(), policy=first)
     assert started[0].plain_reason == "first_round" and started[1].drafted
-
-
-def test_only_a_plain_calls_first_chunk_is_marked_as_carrying_the_calls_round_trip():
-    rounds = run_stretched([1, 2, 3], 12, ToyEngine(), ToyEngine(),
-                           SpeculationPolicy(0, 0.0, adaptive=False, first_round_plain=False), stretch=5)
-    assert [r.opens_call for r in rounds] == [i % 5 == 0 for i in range(12)]

@@ -322,26 +322,3 @@ def test_a_draft_model_priced_away_plans_plain_decoding_to_the_end_unless_a_free
     assert policy.mode is Mode.SPECULATING and policy.plain_rounds_planned() == 1
     assert policy.plain_rounds_planned(draft_model=False) > 10**6
     assert policy.plain_rounds_planned(free_drafter=True, draft_model=False) == 1
-
-
-def plain_calls(costs, opening, streamed, calls=20, context=100):
-    """Plain calls of 4 chunks each: the first carries the call's round trip."""
-    for _ in range(calls):
-        for i in range(4):
-            costs.observe(Round([1], 0, 0, False, 0.0, opening if i == 0 else streamed, context=context,
-                                target_sample=opening if i == 0 else streamed, opens_call=i == 0))
-
-
-def test_a_plain_stretch_between_free_drafts_is_long_enough_that_a_new_call_costs_a_tenth_of_it():
-    """While a free drafter may propose at any token, plain decoding asks for one
-    token a call where a call's round trip is nothing next to a forward (a CPU:
-    3 ms on 200 ms), and for enough tokens that it is a tenth of them where it is
-    not (a GPU: a call that joins a batch in flight waits out the forward under way)."""
-    for opening, streamed, expected in [(None, None, 1), (0.203, 0.200, 1), (0.009, 0.007, 3),
-                                        (0.0135, 0.0075, 8)]:
-        costs = CostModel()
-        if opening is not None:
-            plain_calls(costs, opening, streamed)
-        policy = fixed(4, costs=costs)
-        policy.plan(100, (PROMPT_LOOKUP,))
-        assert policy.plain_rounds_planned(free_drafter=True) == expected, (opening, streamed)
