@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,8 +109,8 @@ def generate(url: str, prompt: str, max_tokens: int, window: int | None) -> dict
         return json.loads(response.read())
 
 
-def run_level(url: str, pids: dict[str, int], engines: dict[str, int], streams: int, mode: str, max_tokens: int, requests: int,
-              tag: str) -> Run:
+def run_level(url: str, pids: dict[str, int], engines: dict[str, int], streams: int, mode: str, max_tokens: int,
+              requests: int, tag: str) -> Run:
     window = 0 if mode == "plain" else None
     results: list[dict] = []
     errors: list[BaseException] = []
@@ -143,16 +144,14 @@ def run_level(url: str, pids: dict[str, int], engines: dict[str, int], streams: 
     def total(key):
         return sum(int(out.get(key, 0)) for out in results)
 
-    reasons: dict[str, int] = {}
-    for out in results:
-        if out.get("fallback_reason"):
-            reasons[out["fallback_reason"]] = reasons.get(out["fallback_reason"], 0) + 1
+    reasons = dict(Counter(out["fallback_reason"] for out in results if out.get("fallback_reason")))
     return Run(streams, mode, total("completion_tokens"), seconds, total("speculative_rounds") + total("plain_rounds"),
                total("total_draft_tokens"), total("total_accepted_draft_tokens"), cpu, total("plain_rounds"),
                reasons, engine_cpu, busy_ticks / all_ticks if all_ticks > 0 else 0.0)
 
 
-def measure(url: str, pids: dict[str, int], engines: dict[str, int], levels: list[int], max_tokens: int, repeats: int) -> list[dict]:
+def measure(url: str, pids: dict[str, int], engines: dict[str, int], levels: list[int], max_tokens: int,
+            repeats: int) -> list[dict]:
     rows = []
     for streams in levels:
         requests = max(1, repeats // streams) if streams > 1 else repeats

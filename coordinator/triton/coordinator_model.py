@@ -309,13 +309,20 @@ class _MetricSender:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._latest = threading.Event()  # set once the latest batch (and so every one before) is sent
+        self._latest.set()
 
-    def send(self, calls: list, done: threading.Event | None = None) -> None:
+    def send(self, calls: list) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="metric-sender", daemon=True)
                 self._thread.start()
+        self._latest = done = threading.Event()
         self._queue.put((calls, done))
+
+    def wait(self, timeout: float) -> bool:
+        """Until every batch handed over so far is sent (at once when none is pending)."""
+        return self._latest.wait(timeout)
 
     def _run(self) -> None:
         while True:
@@ -325,8 +332,7 @@ class _MetricSender:
                     call(value)
                 except Exception as error:  # noqa: BLE001 - a metric never fails serving
                     log.warning("a metric update failed: %s", error)
-            if done is not None:
-                done.set()
+            done.set()
 
 
 _sender = _MetricSender()
@@ -344,13 +350,9 @@ def flush_metrics(wait: bool = True) -> None:
     calls = []
     while _unflushed:
         calls += _unflushed.pop().take()
-    if not wait:
-        if calls:
-            _sender.send(calls)
-        return
-    done = threading.Event()
-    _sender.send(calls, done)
-    if not done.wait(METRIC_WAIT_SECONDS):
+    if calls:
+        _sender.send(calls)
+    if wait and not _sender.wait(METRIC_WAIT_SECONDS):
         log.warning("metric updates not acknowledged by Triton within %g s", METRIC_WAIT_SECONDS)
 
 

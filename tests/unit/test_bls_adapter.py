@@ -284,3 +284,4 @@ def test_metric_updates_are_batched_and_sent_off_the_event_loop_before_the_final
     gauge.set(0.25)  # unchanged since it was sent: nothing to send
     module.flush_metrics()
     assert len(calls) == 5
+    assert module._sender.wait(0)  # nothing pending: a final response need not wait for the sender
