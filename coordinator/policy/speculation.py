@@ -126,6 +126,7 @@ class SpeculationPolicy:
     # recent rounds per drafter: (drafted, accepted, rejected)
     _history: dict[str, deque] = field(default_factory=dict, repr=False)
     _plain_rounds: int = 0  # since the last probe
+    _plain_streak: int = 0  # plain tokens since the last round that drafted
     _interval: int = 0
     _probe_drafted: int = 0
     _probe_accepted: int = 0
@@ -295,17 +296,26 @@ class SpeculationPolicy:
     def plain_rounds_planned(self, free_drafter: bool = False, draft_model: bool = True) -> int:
         """Plain steps the policy will ask for before it may decide otherwise
         (the loop asks the target for them in one call). ``free_drafter``: the
-        request may draft with a free drafter, which is offered every round;
-        ``draft_model`` False: the draft model is out for the rest of the
-        request (its catch-up on the prompt was priced away)."""
+        request may draft with a free drafter, which is offered after every
+        call; ``draft_model`` False: the draft model is out for the rest of the
+        request (its catch-up on the prompt was priced away).
+
+        A free drafter alone gets calls as long as the plain streak so far (1,
+        1, 2, 4, ... tokens): a text that has not repeated itself, or whose
+        repeats were priced not to pay, for n tokens is unlikely to in the next
+        few, and every call costs a round trip, on a GPU host about one and a
+        half forwards while other requests keep the engine busy. The streak
+        depends on the text alone, not on timing or load, so a seeded request's
+        rounds fall the same way whatever runs beside it."""
         draft_model_out = self.mode is Mode.DRAFT_FAILED or not draft_model
         if self.max_window <= 0 or (draft_model_out and not free_drafter):
             return UNBOUNDED
         if self.held_back:
             return max(self.settings.probe_interval, self._held_back_tokens())
-        if free_drafter or self.mode is Mode.SPECULATING:
+        if self.mode is Mode.SPECULATING and not draft_model_out:
             return 1
-        return max(1, self._interval - self._plain_rounds)
+        draft_due = UNBOUNDED if draft_model_out else max(1, self._interval - self._plain_rounds)
+        return min(draft_due, max(1, self._plain_streak)) if free_drafter else draft_due
 
     def _held_back_tokens(self) -> int:
         """The tokens this request decodes while the governor surely keeps its load plain,
@@ -335,6 +345,7 @@ class SpeculationPolicy:
         self._rounds += 1
         if drafted <= 0:
             return
+        self._plain_streak = 0
         self._remember(drafted, accepted, drafter)
         if registry.is_free(drafter) or self.mode is Mode.DRAFT_FAILED:
             return
@@ -361,6 +372,7 @@ class SpeculationPolicy:
         """Plain target decoding emitted ``tokens`` tokens."""
         self._rounds += 1
         self._plain_rounds += tokens
+        self._plain_streak += tokens
 
     def draft_failed(self, error: BaseException) -> None:
         self._enter(Mode.DRAFT_FAILED, f"draft model failed: {error}")

@@ -245,6 +245,38 @@ def test_a_free_drafter_keeps_drafting_while_the_draft_model_has_fallen_back():
     assert policy.plain_rounds_planned(free_drafter=True) == 1 and policy.plain_rounds_planned() > 10**6
 
 
+def test_a_free_drafter_alone_gets_plain_calls_as_long_as_the_plain_streak_so_far():
+    """Every call is a round trip (about one and a half forwards on a busy GPU
+    engine): where only a free drafter is left and the text has not let it
+    draft for n tokens, the next call asks for n, and a round that drafts
+    starts over. The streak counts tokens, not time: the same text, the same calls."""
+    policy = fixed(4)
+    policy.draft_failed(RuntimeError("draft engine gone"))
+    planned = []
+    for _ in range(7):
+        planned.append(policy.plain_rounds_planned(free_drafter=True))
+        policy.record_plain(planned[-1])
+    assert planned == [1, 1, 2, 4, 8, 16, 32]
+    play(policy, 4, 1, drafter=PROMPT_LOOKUP)
+    assert policy.plain_rounds_planned(free_drafter=True) == 1
+    play(policy, 0, 0)  # a round with nothing proposed is plain
+    assert policy.plain_rounds_planned(free_drafter=True) == 1
+    policy.record_plain(3)
+    assert policy.plain_rounds_planned(free_drafter=True) == 4
+
+
+def test_a_free_drafters_streak_does_not_delay_the_draft_models_next_round():
+    speculating = fixed(4)
+    speculating.record_plain(5)
+    assert speculating.plain_rounds_planned(free_drafter=True) == 1
+    fallen_back = fixed(4, threshold=0.5, settings=PolicySettings(probe_interval=6))
+    for _ in range(2):
+        play(fallen_back, 4, 0)
+    assert fallen_back.mode is Mode.FALLBACK
+    fallen_back.record_plain(4)
+    assert fallen_back.plain_rounds_planned(free_drafter=True) == 2  # the probe is due after 2 more
+
+
 def test_plan_takes_the_drafter_predicted_to_serve_more_tokens_per_second():
     costs = measured_costs(draft=0.2)
     for _ in range(50):
