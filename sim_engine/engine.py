@@ -167,23 +167,17 @@ class SimEngine:
         """One forward over the calls in flight; returns the calls it finished,
         after the forward's time has passed.
 
-        The forward's time runs from when it could have begun, as TensorRT-LLM's
-        executor runs them: back to back while calls are in flight (it begins
-        as the last one's time is up), and at an idle engine as the first call
-        is enqueued. A call that arrived after the forward began waits for the
-        next one, however late this thread got to it. The adapter's own work
-        (reading calls in Python, streaming the last forward's tokens, waking
-        this thread) is then inside the forward's time, as the C++ backend's
-        is on a GPU host, not added to it; nor does a call that arrives during
-        that work hold back the forward the others are in."""
+        The forward's time runs from when it could have begun: once the last
+        forward's time was up and every call it carries had arrived, as an
+        executor does that picks a call up as it is enqueued. The adapter's own
+        work between a call's arrival and this step (reading its tensors in
+        Python, waking this thread) is then inside the forward's time, as the
+        C++ backend's is on a GPU host, not added to it."""
         if not self.calls:
             return []
         started = self.clock()
-        begun = self._begun(started)
         carried, rows = [], 0
         for call in self.calls:
-            if call.arrived > begun:  # on its way while this forward began: the next one carries it
-                continue
             need = call.rows()
             if carried and rows + need > self.max_num_tokens:
                 continue
@@ -201,6 +195,7 @@ class SimEngine:
         self.forwards += 1
         self.last_forward = (len(carried), rows)
         self.busy_seconds += self.clock() - started
+        begun = min(started, max([self.free_at, *(call.arrived for call in carried)]))
         self.free_at = begun + self.step_time.seconds(rows)
         if self.sleep:
             left = self.free_at - self.clock()
@@ -215,13 +210,6 @@ class SimEngine:
                 if call.result is not None:
                     self._cache(call)
         return done
-
-    def _begun(self, now: float) -> float:
-        """When this forward began: as the last one's time was up, where calls were
-        waiting for it (forwards run back to back), else as the first call arrived
-        at the idle engine."""
-        first = min(call.arrived for call in self.calls)
-        return min(now, self.free_at if first <= self.free_at else first)
 
     def _advance(self, call: SimCall) -> list[int]:
         """Run the call's rows of this forward; returns the new tokens a streaming reader gets."""

@@ -133,25 +133,6 @@ def test_a_forward_counts_from_when_its_calls_arrived_not_from_when_the_adapter_
     assert clock.slept[-1] == pytest.approx(0.007)
 
 
-def test_forwards_run_back_to_back_and_a_call_that_arrives_after_one_began_waits_for_the_next():
-    """While calls are in flight each forward begins as the last one's time is up;
-    a call that arrived after that (while the adapter streamed tokens, say) joins
-    the next forward and does not delay the one the others are in."""
-    clock = FakeClock()
-    engine = SimEngine(SyntheticLM(VOCAB, "target"), StepTime(7.0, 0.0), clock=clock, sleeper=clock.sleep)
-    clock.now = 1.0
-    streaming = engine.submit(EngineRequest(np.arange(1, 4), 8), arrived=1.0)
-    engine.step()
-    assert clock.now == pytest.approx(1.007)
-    clock.now = 1.009  # the adapter's work after the forward took 2 ms
-    late = engine.submit(EngineRequest(np.arange(10, 14), 1), arrived=1.0085)
-    engine.step()  # began at 1.007 without the late call
-    assert engine.last_forward == (1, 1) and clock.now == pytest.approx(1.014) and not late.finished
-    engine.step()
-    assert engine.last_forward == (2, 5) and late.finished and clock.now == pytest.approx(1.021)
-    assert len(streaming.plain.tokens) == 3
-
-
 def test_sampled_calls_carry_the_real_vocabulary_and_follow_their_seed():
     engine = SimEngine(SyntheticLM(VOCAB, "draft"), StepTime(0, 0), sleep=False)
     params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=5)
