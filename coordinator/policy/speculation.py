@@ -303,8 +303,8 @@ class SpeculationPolicy:
         A free drafter alone gets calls as long as the plain streak so far (1,
         1, 2, 4, ... tokens): a text that has not repeated itself, or whose
         repeats were priced not to pay, for n tokens is unlikely to in the next
-        few, and every call costs a round trip, on a GPU host about one and a
-        half forwards while other requests keep the engine busy. The streak
+        few, and every call costs a round trip plus, while other requests keep
+        the engine busy, the rest of the forward under way. The streak
         depends on the text alone, not on timing or load, so a seeded request's
         rounds fall the same way whatever runs beside it."""
         draft_model_out = self.mode is Mode.DRAFT_FAILED or not draft_model

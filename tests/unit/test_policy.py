@@ -246,8 +246,8 @@ def test_a_free_drafter_keeps_drafting_while_the_draft_model_has_fallen_back():
 
 
 def test_a_free_drafter_alone_gets_plain_calls_as_long_as_the_plain_streak_so_far():
-    """Every call is a round trip (about one and a half forwards on a busy GPU
-    engine): where only a free drafter is left and the text has not let it
+    """Every call is a round trip (and on a busy engine the rest of the forward
+    under way): where only a free drafter is left and the text has not let it
     draft for n tokens, the next call asks for n, and a round that drafts
     starts over. The streak counts tokens, not time: the same text, the same calls."""
     policy = fixed(4)
