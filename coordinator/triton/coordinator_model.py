@@ -23,6 +23,7 @@ the call, because:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import queue
@@ -55,6 +56,7 @@ from coordinator.response.metrics import COUNTER, GAUGE, MetricSpec, MetricsReco
 from coordinator.sampling.params import SamplingParams
 from coordinator.settings import CoordinatorSettings
 from coordinator.triton import tracing
+from coordinator.triton.held_streams import HeldStreams
 from coordinator.triton.logs import log_to_stderr
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ ENGINE_CHECK_SECONDS = 1.0
 # threads are started only when needed.
 ENGINE_CALL_THREADS = 256
 _engine_calls = ThreadPoolExecutor(max_workers=ENGINE_CALL_THREADS, thread_name_prefix="engine-call")
+# Finished decoupled BLS streams, until the stub has let go of them (held_streams.py)
+_held_streams = HeldStreams()
 
 
 class BlsEngine:
@@ -181,10 +185,18 @@ async def bls_all_responses(model_name: str, tensors: dict, outputs: Sequence[st
     times (docs/gpu.md). Raises EngineError on an error response."""
     request = _request(model_name, tensors, outputs)
     if decoupled:
-        responses = await _engine_answer(model_name, lambda: list(request.exec(decoupled=True)))
+        responses = await _engine_answer(model_name, _read_to_end, request)
     else:
         responses = [await _engine_answer(model_name, request.exec)]
     return [_checked(model_name, response) for response in responses]
+
+
+def _read_to_end(request) -> list:
+    """A decoupled call's responses, all of them; its stream is held (held_streams.py)."""
+    stream = request.exec(decoupled=True)
+    responses = list(stream)
+    _held_streams.hold(stream)
+    return responses
 
 
 async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], decoupled: bool):
@@ -216,6 +228,8 @@ async def bls_responses(model_name: str, tensors: dict, outputs: Sequence[str], 
                 await asyncio.wait_for(_drain(next_response), DRAIN_SECONDS)
             except (asyncio.TimeoutError, Exception) as error:  # noqa: BLE001 - nothing is waiting for it
                 log.info("%s: left a response stream unread: %r", model_name, error)
+        if decoupled:
+            _held_streams.hold(stream)
 
 
 async def _engine_answer(model_name: str, call, *args):
@@ -411,6 +425,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         log_to_stderr("coordinator")
+        # a crash of this process leaves every thread's Python stack in the server's log
+        faulthandler.enable(all_threads=True)
         self.settings = CoordinatorSettings.from_parameters(parameters)
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         seed_input = self.settings.engine_seed_input
@@ -550,7 +566,18 @@ def _parameters(request) -> dict:
 
 def _cancelled(request, sender) -> bool:
     check = getattr(sender, "is_cancelled", None) or getattr(request, "is_cancelled", None)
-    return bool(check and check())
+    return check is not None and asked_cancelled(check)
+
+
+def asked_cancelled(is_cancelled) -> bool:
+    """``is_cancelled()`` of a live request or response sender. The question goes
+    through the stub's queue, so a False answer also lets go of the streams held
+    before it was asked (held_streams.py)."""
+    mark = _held_streams.mark()
+    if is_cancelled():
+        return True
+    _held_streams.release_through(mark)
+    return False
 
 
 def _response(text: str, final: Chunk | None):

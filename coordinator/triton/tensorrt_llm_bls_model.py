@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import aclosing
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -24,7 +25,7 @@ from coordinator.request import nvidia
 from coordinator.request.api import LOG_PROBS, STATISTICS
 from coordinator.request.api import OUTPUTS as COORDINATOR_OUTPUTS
 from coordinator.request.parse import InputError
-from coordinator.triton.coordinator_model import bls_responses
+from coordinator.triton.coordinator_model import asked_cancelled, bls_responses
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -60,23 +61,31 @@ class TritonPythonModel:
             log.exception("tensorrt_llm_bls failure")
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
                         flags=FINAL)
+        finally:
+            # the request lives until execute returns: asking it lets go of the
+            # coordinator streams this request read (coordinator_model.asked_cancelled)
+            try:
+                asked_cancelled(request.is_cancelled)
+            except Exception as error:  # noqa: BLE001 - the streams stay held until the next answer
+                log.info("could not ask whether a finished request was cancelled: %s", error)
 
     async def _generate(self, item: nvidia.Item, sender, last: bool) -> None:
         """Send the item's answers; ``last``: its final answer ends the whole request."""
         completion = []
-        async for response in bls_responses(self.coordinator, item.inputs, _REQUESTED, decoupled=True):
-            text = _text(response)
-            # the coordinator's last response is the one with the statistics
-            final = pb_utils.get_output_tensor_by_name(response, STATISTICS[0].name) is not None
-            if item.stream:
-                sender.send(_answer(item, text, response if final else None), flags=FINAL if final and last else 0)
-            else:
-                completion.append(text)
+        async with aclosing(bls_responses(self.coordinator, item.inputs, _REQUESTED, decoupled=True)) as responses:
+            async for response in responses:
+                text = _text(response)
+                # the coordinator's last response is the one with the statistics
+                final = pb_utils.get_output_tensor_by_name(response, STATISTICS[0].name) is not None
+                if item.stream:
+                    sender.send(_answer(item, text, response if final else None), flags=FINAL if final and last else 0)
+                else:
+                    completion.append(text)
+                    if final:
+                        sender.send(_answer(item, nvidia.final_text(item, "".join(completion)), response),
+                                    flags=FINAL if last else 0)
                 if final:
-                    sender.send(_answer(item, nvidia.final_text(item, "".join(completion)), response),
-                                flags=FINAL if last else 0)
-            if final:
-                return
+                    return
         raise EngineError(f"{self.coordinator}: the response stream ended without its final response")
 
 

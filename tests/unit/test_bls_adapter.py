@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -73,6 +74,7 @@ class FakeBackend(types.ModuleType):
         super().__init__("triton_python_backend_utils")
         self.engines: dict[str, tuple[list, threading.Event]] = {}
         self.iterators: list[_BlockingIterator] = []
+        self.make_iterator = _BlockingIterator
         backend = self
 
         class InferenceRequest:
@@ -84,7 +86,7 @@ class FakeBackend(types.ModuleType):
                 if not decoupled:
                     released.wait(TIMEOUT)
                     return responses[0]
-                iterator = _BlockingIterator(responses, released)
+                iterator = backend.make_iterator(responses, released)
                 backend.iterators.append(iterator)
                 return iterator
 
@@ -285,3 +287,79 @@ def test_metric_updates_are_batched_and_sent_off_the_event_loop_before_the_final
     module.flush_metrics()
     assert len(calls) == 5
     assert module._sender.wait(0)  # nothing pending: a final response need not wait for the sender
+
+
+class _StubMap:
+    """The stub's own owner of every decoupled call's iterator (python_backend r24.10,
+    src/pb_stub.cc ``response_iterator_map_``): reading the final response queues the
+    entry's erase (pb_response_iterator.cc ``Clear``), which the stub's utils thread does
+    in order with the other questions it serves, such as ``is_cancelled``. Whatever that
+    erase frees is freed without the interpreter lock."""
+
+    def __init__(self):
+        self.owned: dict[int, object] = {}
+        self.queued: list[int] = []
+        self.erased = 0
+        self.freed_by_erase = 0
+        self.alive: list[weakref.ref] = []
+
+    def is_cancelled(self) -> bool:
+        while self.queued:
+            ref = weakref.ref(self.owned.pop(self.queued.pop(0)))
+            self.erased += 1
+            if ref() is None:
+                self.freed_by_erase += 1
+            else:
+                self.alive.append(ref)
+        return False
+
+
+class _StubOwnedIterator(_BlockingIterator):
+    def __init__(self, responses, released, stub: _StubMap):
+        super().__init__(responses, released)
+        self._stub = stub
+        stub.owned[id(self)] = self
+
+    def __next__(self):
+        try:
+            return super().__next__()
+        except StopIteration:
+            self._stub.queued.append(id(self))
+            raise
+
+
+def test_a_finished_stream_is_freed_under_the_interpreter_lock_not_by_the_stubs_erase(bls):
+    """Triton 2.51's stub frees a tensor's numpy arrays wherever its last owner lets go,
+    with or without the interpreter lock (python_backend PR 390 made it take the lock,
+    from r25.01): the adapter holds each finished stream until an is_cancelled answer
+    shows the erase queued before it was done, then lets go itself."""
+    module, backend = bls
+    stub = _StubMap()
+    backend.make_iterator = lambda responses, released: _StubOwnedIterator(responses, released, stub)
+    released = threading.Event()
+    released.set()
+    backend.engines["target"] = ([_Response([1, 2])], released)
+    engine = module.BlsEngine("target", SPECIAL, decoupled=True)
+
+    async def calls():
+        verified = await engine.generate([9], 2, SamplingParams())  # every response, read in one job
+        streamed = [out.tokens async for out in engine.stream([9], 2, SamplingParams())]  # one by one
+        return verified.tokens, streamed
+
+    assert asyncio.run(asyncio.wait_for(calls(), TIMEOUT)) == ([1, 2], [[1, 2]])
+    backend.iterators.clear()  # the stand-in's own list of what it handed out
+    assert stub.queued and not module.asked_cancelled(stub.is_cancelled)
+    assert stub.erased == 2 and stub.freed_by_erase == 0  # the erase never dropped the last reference
+    assert all(ref() is None for ref in stub.alive)  # the adapter let go once the answer came
+
+
+def test_streams_held_after_a_question_was_asked_wait_for_the_next_answer():
+    from coordinator.triton.held_streams import HeldStreams
+
+    held = HeldStreams()
+    first, second = object(), object()
+    held.hold(first)
+    mark = held.mark()
+    held.hold(second)  # its erase may be queued after the question: not covered by this answer
+    assert held.release_through(mark) == 1 and len(held) == 1
+    assert held.release_through(held.mark()) == 1 and len(held) == 0
