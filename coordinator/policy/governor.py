@@ -220,26 +220,6 @@ class LoadGovernor:
             measured = "plain decoding measured faster at a lower load"
         return f"the load governor holds speculation back at {load_label(bucket)} streams: {measured}"
 
-    def plain_seconds_ahead(self, streams: int) -> float:
-        """How long the regime at this load stays plain for certain: the rest of the epoch
-        in progress, and the whole epochs before speculation is next tried where the count
-        towards that try runs (0: speculation allowed, or the next epoch still to be
-        decided). A held-back request asks the target for that many tokens in one call: each
-        call that ends under in-flight batching misses the forward that starts meanwhile."""
-        bucket = load_bucket(streams)
-        if self._regime(bucket, streams) != PLAIN:
-            return 0.0
-        epoch_left = self.epoch_seconds
-        if self._bucket == bucket:
-            running = self._counted + (self.clock() - self._resumed if self._resumed is not None else 0.0)
-            epoch_left = max(0.0, self.epoch_seconds - running)
-        counted = self._since_explore.get(bucket)
-        if self.regimes.get(bucket) != PLAIN or counted is None or bucket in self._exploring:
-            return epoch_left
-        # each epoch plain keeps winning adds one to the count; at the interval speculation is tried
-        whole_epochs = max(0, self._explore_interval.get(bucket, self.explore_every) - counted - 1)
-        return epoch_left + whole_epochs * self.epoch_seconds
-
     def rate(self, streams: int, regime: str) -> float | None:
         average = self.rates.get((load_bucket(streams), regime))
         return None if average is None else average.value

@@ -66,7 +66,7 @@ from enum import Enum
 from coordinator.policy.costmodel import CostModel
 from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
-from coordinator.policy.governor import PLAIN, LoadGovernor
+from coordinator.policy.governor import LoadGovernor
 from coordinator.rounds import Round
 
 UNBOUNDED = 2**31 - 1  # plain steps planned when the request never speculates
@@ -306,28 +306,21 @@ class SpeculationPolicy:
         few, and every call costs a round trip plus, while other requests keep
         the engine busy, the rest of the forward under way. The streak
         depends on the text alone, not on timing or load, so a seeded request's
-        rounds fall the same way whatever runs beside it."""
+        rounds fall the same way whatever runs beside it.
+
+        A request the load governor holds back asks for calls as long as plain
+        decoding's (the loop caps every call at ``plain_stretch_tokens``): its
+        server measured or forecast plain decoding faster at this load, and a
+        shorter call would only add round trips, each missing the forward that
+        starts meanwhile. When the regime turns to speculation, the call under
+        way ends first."""
         draft_model_out = self.mode is Mode.DRAFT_FAILED or not draft_model
-        if self.max_window <= 0 or (draft_model_out and not free_drafter):
+        if self.max_window <= 0 or (draft_model_out and not free_drafter) or self.held_back:
             return UNBOUNDED
-        if self.held_back:
-            return max(self.settings.probe_interval, self._held_back_tokens())
         if self.mode is Mode.SPECULATING and not draft_model_out:
             return 1
         draft_due = UNBOUNDED if draft_model_out else max(1, self._interval - self._plain_rounds)
         return min(draft_due, max(1, self._plain_streak)) if free_drafter else draft_due
-
-    def _held_back_tokens(self) -> int:
-        """The tokens this request decodes while the governor surely keeps its load plain,
-        at the per-stream rate plain decoding measured (or is forecast) there."""
-        streams = max(self.costs.streams, 1)
-        rate = self.governor.rate(streams, PLAIN)
-        if rate is None:
-            forecast = self.governor.predicted(streams)
-            rate = None if forecast is None else forecast.plain
-        if not rate:
-            return 0
-        return int(self.governor.plain_seconds_ahead(streams) * rate / streams)
 
     # -- observations ------------------------------------------------------
     def observe(self, round_: Round) -> Round:

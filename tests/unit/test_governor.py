@@ -2,7 +2,7 @@
 
 from coordinator.policy.costmodel import CostModel, MovingAverage
 from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
-from coordinator.policy.speculation import Mode, SpeculationPolicy
+from coordinator.policy.speculation import UNBOUNDED, Mode, SpeculationPolicy
 
 
 class Clock:
@@ -113,7 +113,7 @@ def test_a_held_back_request_decodes_plainly_in_stretches_and_resumes_without_a_
     governor.regimes[governor_bucket(4)] = PLAIN
     costs = CostModel(streams=4)
     policy = SpeculationPolicy(5, 0.3, costs=costs, first_round_plain=False, governor=governor)
-    assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == policy.settings.probe_interval
+    assert policy.held_back and policy.window() == 0 and policy.plain_rounds_planned() == UNBOUNDED
     assert policy.mode is Mode.SPECULATING
     assert policy.reason == ("the load governor holds speculation back at 3-4 streams: "
                              "plain decoding measured faster at a lower load")
@@ -235,55 +235,3 @@ def test_a_regime_that_takes_the_lead_runs_its_full_wait_before_the_other_is_tri
     seen = regimes_over(governor, clock, {SPECULATE: 6.0, PLAIN: 2.0}, streams=4, epochs=14)
     first_lead = seen.index(SPECULATE)
     assert first_lead <= 4 and seen[first_lead:first_lead + 10] == [SPECULATE] * 10
-
-
-def plain_wins(explore_every=5):
-    """A governor at 4 streams where plain decoding measured faster and keeps winning."""
-    clock, governor = governed(4, explore_every=explore_every, max_explore_every=40)
-    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 10.0}, streams=4, epochs=4)
-    assert seen == [SPECULATE, SPECULATE, PLAIN, PLAIN]
-    return clock, governor
-
-
-def test_a_load_kept_plain_is_known_plain_until_speculation_is_next_tried():
-    """Plain has won its first comparison: the count towards the next try of speculation
-    starts, and until the epoch that tries it the load is plain for certain."""
-    clock, governor = plain_wins(explore_every=5)
-    assert not governor.speculation_allowed(4) and governor._since_explore[governor_bucket(4)] == 1
-    clock.now += 4.0  # 4 s into the epoch: 6 s left, then 3 whole epochs before the try
-    governor.emitted(0, 4)
-    assert governor.plain_seconds_ahead(4) == 6.0 + 3 * 10.0
-    seen = regimes_over(governor, clock, {SPECULATE: 4.0, PLAIN: 10.0}, streams=4, epochs=5)
-    assert seen == [PLAIN] * 4 + [SPECULATE]  # the epoch in progress and 3 more, as promised
-    # the try lost: plain again, and the wait before the next try doubled to 10 epochs
-    assert not governor.speculation_allowed(4) and 9 * 10.0 < governor.plain_seconds_ahead(4) <= 10 * 10.0
-
-
-def test_a_load_plain_by_forecast_or_inheritance_is_certain_only_for_the_epoch_in_progress():
-    clock, governor = plain_wins()
-    run_epoch(governor, clock, 10.0, streams=8, seconds=3)  # 8 streams: inherits plain; its epoch began at the first
-    assert not governor.speculation_allowed(8)
-    assert governor.plain_seconds_ahead(8) == 8.0
-    governor.forecast = lambda streams: None
-    assert governor.plain_seconds_ahead(2) == 0.0  # a lower load with nothing measured: speculation
-
-
-def test_an_epoch_that_tries_plain_again_promises_only_itself():
-    clock, governor = governed(4, explore_every=2)
-    regimes_over(governor, clock, {SPECULATE: 10.0, PLAIN: 4.0}, streams=4, epochs=6)
-    while governor.speculation_allowed(4):
-        run_epoch(governor, clock, 10.0, streams=4)
-    assert governor_bucket(4) in governor._exploring  # plain is being tried
-    assert governor.plain_seconds_ahead(4) == 10.0
-
-
-def test_a_held_back_request_asks_for_the_tokens_its_load_stays_plain_for():
-    """At 4 streams plain measured 10 tokens/s together (2.5 each); the load stays plain for
-    at least 36 s: one call for 90 tokens, not a call per probe_interval tokens (each call that
-    ends misses the forward that starts meanwhile)."""
-    clock, governor = plain_wins(explore_every=5)
-    clock.now += 4.0
-    governor.emitted(0, 4)
-    policy = SpeculationPolicy(5, 0.3, costs=CostModel(streams=4), first_round_plain=False, governor=governor)
-    assert policy.held_back and abs(governor.rate(4, PLAIN) - 10.0) < 1e-9
-    assert policy.plain_rounds_planned() == int(36.0 * 10.0 / 4)

@@ -1,6 +1,8 @@
 """Fewer round trips: plain decoding in one streamed call per stretch
 (coordinator/decoding/loop.py plain_stretch_rounds)."""
 
+from coordinator.policy.costmodel import CostModel, load_bucket
+from coordinator.policy.governor import PLAIN, LoadGovernor
 from coordinator.policy.speculation import Mode, SpeculationPolicy
 from tests.fakes import ToyEngine, noisy, toy_logits
 from tests.loop_helpers import run, run_stretched, tokens_of
@@ -50,3 +52,18 @@ def test_after_a_fallback_the_plain_rounds_until_the_next_probe_are_one_call():
     assert target.streamed[:2] == [8, 8]  # probe_interval plain rounds, each stretch one call
     plain, _ = run([1], 40, ToyEngine(), ToyEngine(), window=0)
     assert tokens_of(rounds) == tokens_of(plain)
+
+
+def test_a_request_the_load_governor_holds_back_asks_for_calls_as_long_as_plain_decodings():
+    """Plain decoding was measured faster at this load: a held-back request's calls are
+    a plain request's, each shorter one would only add a round trip (a traced cold burst
+    of 4 streams on the cpu profile: calls of 8-14 tokens, five or six a request against
+    plain decoding's four, 0.84x its tokens/s)."""
+    governor = LoadGovernor()
+    governor.regimes[load_bucket(4)] = PLAIN
+    policy = SpeculationPolicy(4, 0.3, costs=CostModel(streams=4), governor=governor)
+    target = ToyEngine()
+    rounds = run_stretched([1, 2, 3], 40, ToyEngine(), target, policy, stretch=16)
+    plain, _ = run([1, 2, 3], 40, ToyEngine(), ToyEngine(), window=0)
+    assert tokens_of(rounds) == tokens_of(plain)
+    assert target.streamed == [16, 16, 8] and sum(r.drafted for r in rounds) == 0
