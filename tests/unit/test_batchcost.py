@@ -194,6 +194,9 @@ def test_an_uncalibrated_forecast_of_speculation_must_win_by_a_margin():
         return LoadGovernor(forecast=lambda streams: Forecast(streams, plain=10.0, speculative=speculative,
                                                               window=4, plain_step=0.2))
     assert not governor_over(11.0).speculation_allowed(2)  # 10 % better: within the raw model's error
+    assert governor_over(11.0).why_plain(2).endswith(
+        "speculation's 11.00 at 2 streams (not measured at this load yet); until its epochs have "
+        "calibrated the forecast, speculation must be predicted 15% faster")
     assert governor_over(12.0).speculation_allowed(2)
     calibrated = governor_over(11.0)
     calibrated.calibration[SPECULATE] = MovingAverage(1.0, 2)  # its epochs measured what it predicted
@@ -259,3 +262,20 @@ def test_the_cost_model_samples_the_coordinators_cpu_once_a_second_against_the_r
     per_round, per_token = costs.coordinator_cpu()
     assert per_round == pytest.approx(0.002, rel=0.05) and per_token == pytest.approx(0.0003, rel=0.1)
     assert CostModel().coordinator_cpu() == (None, None)  # no CPU clock: nothing measured, nothing capped
+
+
+def test_a_held_back_request_is_told_why_when_the_forecast_now_favours_speculation():
+    """The load started plain on the forecast when its first epoch ended; the forecast has
+    since moved (more forwards timed), but the regime waits for speculation's turn."""
+    prices = {PLAIN: 10.0, SPECULATE: 8.0}
+    clock = [0.0]
+    governor = LoadGovernor(epoch_seconds=10.0, clock=lambda: clock[0], forecast=lambda streams: Forecast(
+        streams, plain=prices[PLAIN], speculative=prices[SPECULATE], window=4, plain_step=0.2))
+    governor.emitted(0, 2)
+    for _ in range(10):
+        clock[0] += 1.0
+        governor.emitted(10.0, 2)
+    prices[SPECULATE] = 13.0  # 30 % faster now
+    assert not governor.speculation_allowed(2)
+    assert governor.why_plain(2).endswith("; the load started plain on the forecast when its first epoch ended, "
+                                          "and speculation is tried in its turn")
