@@ -53,6 +53,7 @@ class TritonPythonModel:
             single = len(items) == 1
             await asyncio.gather(*(self._generate(item, sender, last=single) for item in items))
             if not single:
+                _release_held_streams(sender)
                 sender.send(flags=FINAL)
         except (InputError, EngineError) as error:
             message = nvidia.client_message(str(error).removeprefix(f"{self.coordinator}: "))
@@ -61,13 +62,6 @@ class TritonPythonModel:
             log.exception("tensorrt_llm_bls failure")
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
                         flags=FINAL)
-        finally:
-            # the request lives until execute returns: asking it lets go of the
-            # coordinator streams this request read (coordinator_model.asked_cancelled)
-            try:
-                asked_cancelled(request.is_cancelled)
-            except Exception as error:  # noqa: BLE001 - the streams stay held until the next answer
-                log.info("could not ask whether a finished request was cancelled: %s", error)
 
     async def _generate(self, item: nvidia.Item, sender, last: bool) -> None:
         """Send the item's answers; ``last``: its final answer ends the whole request."""
@@ -77,6 +71,8 @@ class TritonPythonModel:
                 text = _text(response)
                 # the coordinator's last response is the one with the statistics
                 final = pb_utils.get_output_tensor_by_name(response, STATISTICS[0].name) is not None
+                if final and last:
+                    _release_held_streams(sender)
                 if item.stream:
                     sender.send(_answer(item, text, response if final else None), flags=FINAL if final and last else 0)
                 else:
@@ -87,6 +83,16 @@ class TritonPythonModel:
                 if final:
                     return
         raise EngineError(f"{self.coordinator}: the response stream ended without its final response")
+
+
+def _release_held_streams(sender) -> None:
+    """Before a request's final response (after it, Triton 2.51 may have freed what the
+    question refers to): the answer lets go of the coordinator streams held before it,
+    earlier requests' (coordinator_model.asked_cancelled)."""
+    try:
+        asked_cancelled(sender.is_cancelled)
+    except Exception as error:  # noqa: BLE001 - the streams stay held until the next answer
+        log.info("could not ask whether a request was cancelled: %s", error)
 
 
 def _text(response) -> str:

@@ -26,6 +26,10 @@ def test_locust_smoke_run_has_no_failures_and_writes_the_reports(triton_server, 
          # HumanEval 13-16: short prompts (53-67 tokens), so one request fits the
          # phase also where the engine prefills a few rows per forward (AVX2-only CPUs).
          "--max-tokens", "16", "--humaneval", "13-16", "--request-timeout", "90",
+         # A fixed window, so the speculative user drafts whatever the load governor
+         # decides at 2 streams (it holds adaptive requests back where the machine's
+         # forward costs price plain decoding faster): the report's acceptance is checked.
+         "--spec-window", "4", "--adaptive-window", "false",
          # At the end, let the requests in flight finish (a loaded machine may
          # need longer than the phase for one request) rather than cancel them.
          "--stop-timeout", "60",
