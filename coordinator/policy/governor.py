@@ -217,7 +217,7 @@ class LoadGovernor:
                         f"against speculation's {forecast.speculative:.2f} at {forecast.streams} streams "
                         f"(not measured at this load yet)")
             if forecast.speculative >= forecast.plain:  # plain all the same: say why
-                measured += ("; the load started plain on the forecast when its first epoch ended, and "
+                measured += ("; the load started plain when its first epoch ended, and "
                              "speculation is tried in its turn" if bucket in self.regimes else
                              f"; until its epochs have calibrated the forecast, speculation must be predicted "
                              f"{UNCALIBRATED_MARGIN:.0%} faster")

@@ -36,12 +36,11 @@ class HeldStreams:
         self._count = 0
         self._lock = threading.Lock()
 
-    def hold(self, stream: object) -> object:
+    def hold(self, stream: object) -> None:
         """Keep ``stream`` (read to its end, or abandoned) until a later mark is released."""
         with self._lock:
             self._count += 1
             self._held.append((self._count, stream))
-        return stream
 
     def mark(self) -> int:
         """Taken just before a question is queued: the streams held so far."""

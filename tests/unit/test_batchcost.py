@@ -277,5 +277,5 @@ def test_a_held_back_request_is_told_why_when_the_forecast_now_favours_speculati
         governor.emitted(10.0, 2)
     prices[SPECULATE] = 13.0  # 30 % faster now
     assert not governor.speculation_allowed(2)
-    assert governor.why_plain(2).endswith("; the load started plain on the forecast when its first epoch ended, "
+    assert governor.why_plain(2).endswith("; the load started plain when its first epoch ended, "
                                           "and speculation is tried in its turn")
