@@ -61,6 +61,9 @@ class CoordinatorSettings:
     # one call) and is read as a stream of responses. TensorRT-LLM's model is
     # decoupled when its decoupled_mode is set; the CPU engine always is.
     engine_decoupled: bool = False
+    # Whether the target takes the CPU engine's prompt_length input (the prompt's
+    # length with every call: coordinator/engines/contract.py); TensorRT-LLM has none.
+    engine_prompt_length: bool = False
     # Most tokens one streamed plain call may generate when the policy plans a
     # stretch of plain decoding (decoupled engines only; otherwise one per call).
     # Longer stretches save round trips; a client that cancels or hits a stop

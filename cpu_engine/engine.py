@@ -34,7 +34,8 @@ from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, choose_dense_rows, quantize_linear_layers
-from cpu_engine.row_blocks import block_linear_layers, shaping
+from cpu_engine.prompt_blocks import measure_prompt_block, prompt_path
+from cpu_engine.row_blocks import block_linear_layers, prompt_rows, shaping
 from cpu_engine.rows import MAX_BLOCK_ROWS, RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
 
@@ -55,6 +56,7 @@ KNOWN_PARAMETERS = {
     "row_invariant",
     "weight_quantization",
     "linear_kernel",
+    "prompt_block",
     "reload_generation",  # set by the engine watchdog to reload the model in place (selfheal/triton_admin.py); unused
 }
 # Drafts one verification may carry unless configured: one attention block.
@@ -145,6 +147,7 @@ class CausalLMEngine:
         row_invariant: bool | str = True,
         weight_quantization: str = "none",
         linear_kernel: str = "auto",
+        prompt_block: str = "auto",
     ):
         self.dtype = resolve_dtype(dtype)
         if max_num_tokens < attention.BLOCK_ROWS:
@@ -187,9 +190,18 @@ class CausalLMEngine:
         budget = probed if self.invariance == "always" else min(probed, SAMPLED_BLOCK_ROWS)
         measured = (RowShape(floor=1, budget=max_num_tokens) if self.invariance == "never"
                     else measure_row_shape(self.model, budget, min(fixed_rows, budget)))
+        # Where every forward keeps the shape, a prompt's leading blocks may go through
+        # larger calls, measured here (cpu_engine/prompt_blocks.py); a prompt block
+        # must fit one forward.
+        block = None
+        if self.invariance == "always" and measured.fixed is None:
+            block = measure_prompt_block(self.model, measured.block, prompt_block)
+            if block is not None and block > max_num_tokens:
+                log.info("prompt block: none (%d rows do not fit max_num_tokens %d)", block, max_num_tokens)
+                block = None
         # A forward carries up to max_num_tokens rows; its linear layers run in
         # blocks of the measured shape (cpu_engine/row_blocks.py).
-        self.row_shape = replace(measured, forward_rows=max_num_tokens)
+        self.row_shape = replace(measured, forward_rows=max_num_tokens, prompt_block=block)
         if self.invariance != "never":  # no forward is shaped: the layers stay as they are
             block_linear_layers(self.model)
         # How many attention blocks of one key length one matmul computes, where that
@@ -203,7 +215,8 @@ class CausalLMEngine:
                      self.attention_stack, time.perf_counter() - started)
         # Next to running streams a prompt's prefill takes one block a forward,
         # so it delays their next token by about one block's cost.
-        self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block)
+        self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block,
+                                   prompt_block=self.row_shape.prompt_block)
         self.last_forward = (0, 0)  # (sequences, rows) of the latest forward: the load metrics
         self.last_forward_rows = 0
         self.forwards = 0  # forward passes run so far
@@ -220,14 +233,15 @@ class CausalLMEngine:
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
-        sequence, reused = self.pool.take(input_ids)
+        path = prompt_path(request.prompt_length, input_ids.size, self.row_shape.prompt_block)
+        sequence, reused = self.pool.take(input_ids, path)
         if sequence is None:
             sequence = attention.SequenceKV(self.layers)
         else:
             sequence.crop(reused)
         call = Call(input_ids, request.max_new_tokens, request.sampling, request.end_id, drafts,
                     request.draft_logits, sequence, reused, on_tokens, request.return_logits,
-                    stop_words=request.stop_words)
+                    stop_words=request.stop_words, prompt_path=path)
         self.scheduler.add(call)
         return call
 
@@ -250,7 +264,7 @@ class CausalLMEngine:
             if call.result is not None:
                 tokens = call.cached_tokens()
                 call.sequence.crop(tokens.size)
-                self.pool.put(tokens, call.sequence)
+                self.pool.put(tokens, call.sequence, call.prompt_path)
         return done
 
     def fail_all(self, error: BaseException) -> list[Call]:
@@ -305,6 +319,7 @@ class CausalLMEngine:
         positions: list[int] = []
         segments: list[attention.Segment] = []
         wanted: list[int] = []
+        marked: list[int] = []  # rows of a prompt's leading blocks (cpu_engine/prompt_blocks.py)
         earlier: dict[int, int] = {}  # rows of this forward already given to a sequence (its prefill's last chunk)
         for work in works:
             key = id(work.call.sequence)
@@ -315,6 +330,8 @@ class CausalLMEngine:
             segments.append(attention.Segment(start, len(ids), work.call.sequence))
             if work.logits:
                 wanted += range(start, len(ids))
+            else:
+                marked += range(start, start + max(0, min(len(work.tokens), work.call.prompt_path - cached)))
         real = len(ids)
         shaped = self.invariance == "always" or (self.invariance == "sampled"
                                                  and any(not work.call.sampling.greedy for work in works))
@@ -326,11 +343,16 @@ class CausalLMEngine:
         self.last_forward = (len({id(work.call) for work in works}), real)
         self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
+        mask = None
+        if shaped and marked:
+            mask = torch.zeros(total, dtype=torch.bool)
+            mask[marked] = True
         with attention.packed(segments, self.attention_stack), shaping(self.row_shape if shaped else None):
-            hidden = self.model.model(
-                input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
-                attention_mask=_NO_MASKS, use_cache=False,
-            ).last_hidden_state[0]
+            with prompt_rows(mask):
+                hidden = self.model.model(
+                    input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
+                    attention_mask=_NO_MASKS, use_cache=False,
+                ).last_hidden_state[0]
             logits = None
             if wanted:
                 # the output layer is one more linear: the same row rule applies

@@ -14,6 +14,11 @@ not this one with rejected drafts at its end: it stays in the pool, and the
 request gets a copy of the shared prefix (``copy_prefix``). Taking it would
 crop that sequence to the preamble, and its next call would compute its
 whole prompt again, as TensorRT-LLM's block reuse never makes a sequence do.
+
+Each entry also records its ``prompt_path``: how many leading positions were
+computed through the prompt's kernel calls (cpu_engine/prompt_blocks.py). A
+call whose path differs reuses no position past the shorter of the two paths:
+from there the entry's keys and values are not the ones the call computes.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class PrefixCachePool:
         self.capacity = capacity
         self.tail = tail
         self.copy_prefix = copy_prefix
-        self._entries: OrderedDict[int, tuple[np.ndarray, Any]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[np.ndarray, Any, int]] = OrderedDict()
         self._keys = count()
 
     def __len__(self) -> int:
@@ -47,9 +52,9 @@ class PrefixCachePool:
     @property
     def cached_tokens(self) -> int:
         """Tokens whose keys and values the pool holds (its memory is proportional)."""
-        return sum(len(tokens) for tokens, _ in self._entries.values())
+        return sum(len(entry[0]) for entry in self._entries.values())
 
-    def take(self, tokens: np.ndarray) -> tuple[Any | None, int]:
+    def take(self, tokens: np.ndarray, prompt_path: int = 0) -> tuple[Any | None, int]:
         """Remove and return (cache, reusable length) for the entry sharing the
         longest common prefix with ``tokens``; the caller keeps that many
         positions of it.
@@ -61,27 +66,30 @@ class PrefixCachePool:
         forward it was in (cpu_engine/attention.py, rows.py), so
         they depend only on the tokens before it. The reusable length is at
         most ``len(tokens) - 1``: the last token is always recomputed so the
-        engine gets its logits.
+        engine gets its logits, and where ``prompt_path`` differs from the
+        entry's, at most the shorter of the two.
         """
         best_key, best_len = None, 0
-        for key, (cached, _) in self._entries.items():
+        for key, (cached, _, path) in self._entries.items():
             shared = common_prefix(cached, tokens)
+            if path != prompt_path:
+                shared = min(shared, path, prompt_path)
             if shared > best_len:
                 best_key, best_len = key, shared
         if best_key is None:
             return None, 0
         reusable = min(best_len, len(tokens) - 1)
-        cached, cache = self._entries[best_key]
+        cached, cache, _ = self._entries[best_key]
         if self.tail is not None and len(cached) - best_len > self.tail:  # another sequence's: it stays
             self._entries.move_to_end(best_key)
             return self.copy_prefix(cache, reusable), reusable
         del self._entries[best_key]
         return cache, reusable
 
-    def put(self, tokens: np.ndarray, cache: Any) -> None:
+    def put(self, tokens: np.ndarray, cache: Any, prompt_path: int = 0) -> None:
         if self.capacity == 0 or len(tokens) == 0:
             return
-        self._entries[next(self._keys)] = (np.asarray(tokens, dtype=np.int64).copy(), cache)
+        self._entries[next(self._keys)] = (np.asarray(tokens, dtype=np.int64).copy(), cache, prompt_path)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 

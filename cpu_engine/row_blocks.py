@@ -14,7 +14,9 @@ took 1.03 s in one forward of 32-row blocks against 1.87 s in ten 32-row
 forwards (and 0.55 s in one 320-row forward, which is not row-invariant).
 
 Only forwards that must keep the row shape are cut (``shaping``): the
-draft's forwards of greedy calls alone go through whole.
+draft's forwards of greedy calls alone go through whole. Rows a forward marks
+as a prompt's leading blocks (``prompt_rows``) go through calls of the shape's
+``prompt_block`` rows instead (cpu_engine/prompt_blocks.py says why).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cpu_engine.quantize import replace_submodule
 from cpu_engine.rows import RowShape, is_linear
 
 _shape: contextvars.ContextVar[RowShape | None] = contextvars.ContextVar("row_shape", default=None)
+_prompt_rows: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("prompt_rows", default=None)
 
 
 @contextlib.contextmanager
@@ -39,6 +42,17 @@ def shaping(shape: RowShape | None):
         yield
     finally:
         _shape.reset(token)
+
+
+@contextlib.contextmanager
+def prompt_rows(mask: torch.Tensor | None):
+    """Inside ``shaping``, the rows ``mask`` (bool, one per row of the forward)
+    marks go through calls of the shape's ``prompt_block`` rows."""
+    token = _prompt_rows.set(mask)
+    try:
+        yield
+    finally:
+        _prompt_rows.reset(token)
 
 
 def blocked(layer, rows: torch.Tensor, shape: RowShape) -> torch.Tensor:
@@ -54,6 +68,20 @@ def blocked(layer, rows: torch.Tensor, shape: RowShape) -> torch.Tensor:
     return torch.cat(outputs)
 
 
+def split_by_path(layer, rows: torch.Tensor, mask: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    """``layer`` over ``rows``: those ``mask`` marks in ``prompt_block``-row calls
+    (the last padded), the others as ``blocked`` computes them."""
+    block = shape.prompt_block
+    marked = blocked(layer, rows[mask], RowShape(floor=block, budget=block, fixed=block))
+    if bool(mask.all()):
+        return marked
+    rest = blocked(layer, rows[~mask], shape)  # a lone row too is padded to the floor
+    out = marked.new_empty(rows.shape[0], marked.shape[1])
+    out[mask] = marked
+    out[~mask] = rest
+    return out
+
+
 class RowBlockedLinear(nn.Module):
     """A linear layer (float, prepacked or quantized) that, inside ``shaping``,
     computes more rows than one block holds block by block."""
@@ -66,9 +94,13 @@ class RowBlockedLinear(nn.Module):
         shape = _shape.get()
         leading = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        if shape is None or rows.shape[0] <= shape.block:
+        mask = _prompt_rows.get()
+        if shape is not None and mask is not None and shape.prompt_block:
+            out = split_by_path(self.inner, rows, mask, shape)
+        elif shape is None or rows.shape[0] <= shape.block:
             return self.inner(x)
-        out = blocked(self.inner, rows, shape)
+        else:
+            out = blocked(self.inner, rows, shape)
         return out.view(*leading, out.shape[-1])
 
 

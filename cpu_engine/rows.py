@@ -70,6 +70,8 @@ class RowShape:
     budget: int
     fixed: int | None = None
     forward_rows: int | None = None
+    # rows of the calls a prompt's leading blocks go through (cpu_engine/prompt_blocks.py)
+    prompt_block: int | None = None
 
     @property
     def block(self) -> int:
@@ -107,7 +109,8 @@ class RowShape:
         return f"kernel calls of {self.floor} to {self.budget} rows (row-invariant from {self.floor} rows)"
 
     def describe(self) -> str:
-        return f"forwards of up to {self.capacity} rows, {self.kernel_calls()}"
+        prompt = f", a prompt's whole blocks in calls of {self.prompt_block} rows" if self.prompt_block else ""
+        return f"forwards of up to {self.capacity} rows, {self.kernel_calls()}{prompt}"
 
 
 def is_linear(module: torch.nn.Module) -> bool:

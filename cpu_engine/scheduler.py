@@ -22,7 +22,10 @@ its rows, so a second prompt in it would delay the first one's first token by
 its whole prefill and gain nothing itself. Prompts that arrive together are
 prefilled one after another, shortest first, and their first tokens come in
 turn: four 150-token prompts prefilled in one 512-row forward all waited
-3.8 s; in turn the first waited about 1.2 s.
+3.8 s; in turn the first waited about 1.2 s. A prompt's leading whole blocks
+that go through larger kernel calls (``prompt_block`` rows,
+cpu_engine/prompt_blocks.py) are taken a whole block at a time: next to
+running streams one such block a forward, in place of ``shared_prefill`` rows.
 
 No torch here: the engine supplies ``forward(works)``, which runs one packed
 forward and returns each work's logits (tests drive the scheduler with a fake).
@@ -68,6 +71,7 @@ class Call:
     result: CallResult | None = None
     error: BaseException | None = None
     stop_words: tuple[tuple[int, ...], ...] = ()
+    prompt_path: int = 0  # leading positions computed through the prompt's kernel calls
 
     def __post_init__(self):
         self.prefilled = self.reused
@@ -113,11 +117,12 @@ class Call:
 class Scheduler:
     """Calls waiting for a forward, and the choice of what the next one carries."""
 
-    def __init__(self, capacity: int, shared_prefill: int | None = None):
+    def __init__(self, capacity: int, shared_prefill: int | None = None, prompt_block: int | None = None):
         if capacity < 1:
             raise ValueError(f"a forward must carry at least one row, got {capacity}")
         self.capacity = capacity
         self.shared_prefill = min(capacity, shared_prefill or capacity)
+        self.prompt_block = prompt_block
         self.calls: list[Call] = []
 
     def __len__(self) -> int:
@@ -146,7 +151,7 @@ class Scheduler:
                 break
             left = call.prefill_left
             if left:
-                chunk = min(left, room)
+                chunk = self._chunk(call, left, room)
                 start = call.prefilled
                 works.append(Work(call, [int(t) for t in call.input_ids[start : start + chunk]], logits=False))
                 room -= chunk
@@ -158,6 +163,15 @@ class Scheduler:
                 if chunk == left and self.capacity - room >= self.shared_prefill:
                     break  # one prompt ends here: the next one's prefill would only delay its first token
         return works
+
+    def _chunk(self, call: Call, left: int, room: int) -> int:
+        """Prompt rows of ``call`` the next forward takes: within the prompt's
+        blocks a whole number of blocks (at least one), else what fits."""
+        blocks_left = call.prompt_path - call.prefilled
+        if blocks_left <= 0 or not self.prompt_block:
+            return min(left, room)
+        block = self.prompt_block
+        return min(blocks_left, max(room, block) // block * block)
 
     def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:
         """Hand each work its logits; returns the calls that finished (removed)."""

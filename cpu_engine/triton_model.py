@@ -72,6 +72,7 @@ class TritonPythonModel:
             row_invariant=params.get("row_invariant", "true"),
             weight_quantization=params.get("weight_quantization", "none"),
             linear_kernel=params.get("linear_kernel", "auto"),
+            prompt_block=params.get("prompt_block", "auto"),
         )
         self.name = args["model_name"]
         self._senders: dict[int, tuple[object, bool]] = {}  # call id -> (response sender, streaming)

@@ -27,6 +27,9 @@ class EngineRequest:
     draft_logits: np.ndarray | None = None  # [k, vocab]
     return_logits: bool = False
     stop_words: tuple[tuple[int, ...], ...] = ()  # stop_words_list: each ends the call, returned and counted
+    # The CPU engine's own input (TensorRT-LLM has none): how many leading tokens of
+    # input_ids are the request's prompt (cpu_engine/prompt_blocks.py)
+    prompt_length: int | None = None
 
 
 def read_request(tensor: Callable[[str], np.ndarray | None]) -> EngineRequest:
@@ -61,6 +64,10 @@ def read_request(tensor: Callable[[str], np.ndarray | None]) -> EngineRequest:
     )
     if penalties.repetition <= 0.0:
         raise EngineRequestError(f"repetition_penalty must be > 0, got {penalties.repetition:g}")
+    prompt_length = scalar("prompt_length", None)
+    if prompt_length is not None and not 0 < int(prompt_length) <= length:
+        raise EngineRequestError(f"prompt_length must be between 1 and input_lengths ({length}), "
+                                 f"got {int(prompt_length)}")
     return EngineRequest(
         input_ids=input_ids[:length],
         max_new_tokens=int(scalar("request_output_len", 1)),
@@ -77,6 +84,7 @@ def read_request(tensor: Callable[[str], np.ndarray | None]) -> EngineRequest:
         draft_logits=draft_logits,
         return_logits=bool(scalar("return_generation_logits", False)),
         stop_words=_words(tensor("stop_words_list")),
+        prompt_length=None if prompt_length is None else int(prompt_length),
     )
 
 

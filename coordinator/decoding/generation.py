@@ -15,7 +15,7 @@ from coordinator.drafters.base import DrafterOptions
 from coordinator.drafters.registry import PROMPT_LOOKUP
 from coordinator.drafters.draft_model import ModelDrafter
 from coordinator.policy.governor import LoadGovernor
-from coordinator.engines.contract import Engine
+from coordinator.engines.contract import Engine, for_prompt
 from coordinator.decoding.loop import speculative_decode
 from coordinator.engines.deadline import with_deadline
 from coordinator.response.metrics import RequestMetrics
@@ -150,7 +150,7 @@ def _rounds(request: GenerationRequest, codec: Codec, prompt_ids: list[int], pol
         prompt_ids,
         request.max_tokens,
         drafter=drafter,
-        target=target,
+        target=for_prompt(target, len(prompt_ids)),
         policy=policy,
         sampling=sampling,
         end_ids=end_ids,

@@ -95,6 +95,20 @@ ENGINE_INPUTS: dict[str, TensorSpec] = {
     )
 }
 
+# Inputs beyond TensorRT-LLM's that the CPU engine takes, sent only where the
+# coordinator's ``engine_prompt_length`` setting is on (the cpu profile); a
+# target that declares none of them gets none.
+ENGINE_EXTENSION_INPUTS: dict[str, TensorSpec] = {
+    s.name: s
+    for s in (
+        # How many leading tokens of input_ids are the request's prompt: the CPU
+        # engine prefills a prompt's leading blocks through larger kernel calls
+        # (cpu_engine/prompt_blocks.py) and cannot tell a prompt from generated
+        # tokens sent back to it.
+        TensorSpec("prompt_length", "TYPE_INT32", (1,)),
+    )
+}
+
 # Names the engines' seed input goes by: the tensorrtllm backend reads
 # ``random_seed`` up to v0.19; the backend inside newer TensorRT-LLM releases
 # reads ``seed``. Which one a deployment sends is the coordinator's
@@ -145,6 +159,14 @@ class Engine(Protocol):
                sampling: SamplingParams) -> AsyncIterator[EngineOutput]:
         """Plain decoding in one call: the tokens (and log probabilities) as they are generated."""
         ...
+
+
+def for_prompt(engine: Engine, prompt_length: int) -> Engine:
+    """``engine`` as one request's calls use it: an engine that takes the prompt's
+    length (``for_prompt``: the BLS adapter, where ``engine_prompt_length`` is on)
+    sends it with each call; any other is used as it is."""
+    marked = getattr(engine, "for_prompt", None)
+    return engine if marked is None else marked(prompt_length)
 
 
 class EngineError(RuntimeError):

@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from coordinator.engines.contract import ENGINE_INPUTS
+from coordinator.engines.contract import ENGINE_EXTENSION_INPUTS, ENGINE_INPUTS
 from coordinator.sampling.penalties import word_list
 from coordinator.sampling.params import SamplingParams
 
@@ -28,12 +28,14 @@ def engine_inputs(
     seed_input: str = "random_seed",
     streaming: bool = False,
     stop_ids: Sequence[int] = (),
+    prompt_length: int | None = None,
 ) -> dict[str, np.ndarray]:
     """``sampling.seed`` is this call's own seed, sent as ``seed_input``
     (``random_seed`` or ``seed``, by backend version). ``draft_logits`` are
     sent as given: log q, which the backend reads through a plain softmax.
     ``stop_ids``: the model's end ids other than ``end_id``, sent as one-token
-    stop words (TensorRT-LLM takes a single ``end_id``)."""
+    stop words (TensorRT-LLM takes a single ``end_id``). ``prompt_length``: the
+    CPU engine's own input (contract.ENGINE_EXTENSION_INPUTS), sent when given."""
     def scalar(name: str, value) -> np.ndarray:
         return np.array([[value]], dtype=ENGINE_INPUTS[name].numpy_dtype)
 
@@ -73,6 +75,8 @@ def engine_inputs(
         tensors["return_log_probs"] = scalar("return_log_probs", True)
     if streaming:  # a decoupled engine then answers with each step's new tokens
         tensors["streaming"] = scalar("streaming", True)
+    if prompt_length is not None:
+        tensors["prompt_length"] = np.array([[prompt_length]], dtype=ENGINE_EXTENSION_INPUTS["prompt_length"].numpy_dtype)
     return tensors
 
 

@@ -23,6 +23,7 @@ the call, because:
 from __future__ import annotations
 
 import asyncio
+import copy
 import faulthandler
 import json
 import logging
@@ -81,11 +82,22 @@ class BlsEngine:
     """The loop's Engine protocol over a BLS call to a tensorrtllm-contract model."""
 
     def __init__(self, model_name: str, special: SpecialTokens, seed_input: str = "random_seed",
-                 decoupled: bool = False):
+                 decoupled: bool = False, sends_prompt_length: bool = False):
         self.model_name = model_name
         self.special = special
         self.seed_input = seed_input
         self.decoupled = decoupled
+        self.sends_prompt_length = sends_prompt_length
+        self.prompt_length: int | None = None
+
+    def for_prompt(self, prompt_length: int) -> "BlsEngine":
+        """This engine for one request's calls: each sends the prompt's length
+        where the engine takes it (the coordinator's engine_prompt_length)."""
+        if not self.sends_prompt_length:
+            return self
+        marked = copy.copy(self)
+        marked.prompt_length = prompt_length
+        return marked
 
     async def generate(
         self,
@@ -154,7 +166,8 @@ class BlsEngine:
         end_id = self.special.end_id if sampling.end_id is None else sampling.end_id
         stop_ids = self.special.eos_token_ids[1:] if sampling.end_id is None else ()
         return engine_inputs(input_ids, max_new_tokens, sampling, end_id=end_id, stop_ids=stop_ids,
-                             pad_id=self.special.pad_token_id, seed_input=self.seed_input, **options)
+                             pad_id=self.special.pad_token_id, seed_input=self.seed_input,
+                             prompt_length=self.prompt_length, **options)
 
     @staticmethod
     def _outputs(return_logits: bool, return_log_probs: bool) -> list[str]:
@@ -431,7 +444,8 @@ class TritonPythonModel:
         self.codec = Codec.from_dir(self.settings.tokenizer_dir)
         seed_input = self.settings.engine_seed_input
         decoupled = self.settings.engine_decoupled
-        self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled)
+        self.target = BlsEngine(self.settings.target_model_name, self.codec.special, seed_input, decoupled,
+                                sends_prompt_length=self.settings.engine_prompt_length)
         self.draft = BlsEngine(self.settings.draft_model_name, self.codec.special, seed_input, decoupled)
         # server-wide engine timings and acceptance, and this process's CPU per round
         self.costs = CostModel(cpu_clock=time.process_time)

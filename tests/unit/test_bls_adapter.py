@@ -74,12 +74,14 @@ class FakeBackend(types.ModuleType):
         super().__init__("triton_python_backend_utils")
         self.engines: dict[str, tuple[list, threading.Event]] = {}
         self.iterators: list[_BlockingIterator] = []
+        self.sent: list[tuple[str, dict]] = []  # (model, input tensors) of every request made
         self.make_iterator = _BlockingIterator
         backend = self
 
         class InferenceRequest:
             def __init__(self, model_name, inputs, requested_output_names):
                 self.model_name = model_name
+                backend.sent.append((model_name, {tensor._name: tensor.as_numpy() for tensor in inputs}))
 
             def exec(self, decoupled=False):
                 responses, released = backend.engines[self.model_name]
@@ -363,3 +365,21 @@ def test_streams_held_after_a_question_was_asked_wait_for_the_next_answer():
     held.hold(second)  # its erase may be queued after the question: not covered by this answer
     assert held.release_through(mark) == 1 and len(held) == 1
     assert held.release_through(held.mark()) == 1 and len(held) == 0
+
+
+def test_a_requests_calls_carry_its_prompt_length_only_where_the_engine_takes_it(bls):
+    """The CPU engine's prompt_length input (coordinator/engines/contract.py):
+    sent with every call of one request's view of the target, never by an
+    engine configured without it (TensorRT-LLM has no such input)."""
+    module, backend = bls
+    released = threading.Event()
+    released.set()
+    backend.engines["target"] = ([_Response([4])], released)
+    taking = module.BlsEngine("target", SPECIAL, decoupled=False, sends_prompt_length=True)
+    plain = module.BlsEngine("target", SPECIAL, decoupled=False)
+    assert plain.for_prompt(3) is plain
+    request = taking.for_prompt(3)
+    asyncio.run(request.generate([9, 8, 7, 4], 1, SamplingParams()))
+    asyncio.run(plain.generate([9, 8, 7, 4], 1, SamplingParams()))
+    asyncio.run(taking.generate([9], 1, SamplingParams()))  # the shared engine itself: no request's prompt
+    assert [inputs.get("prompt_length", np.array(None)).tolist() for _, inputs in backend.sent] == [[[3]], None, None]

@@ -11,7 +11,8 @@ import pytest
 
 from tests._config_helpers import data_type_name, engine_names, model_config, parameter, profiles
 from coordinator.request import api
-from coordinator.engines.contract import ENGINE_INPUTS, ENGINE_OUTPUTS, REQUIRED_ENGINE_PARAMETERS, TensorSpec
+from coordinator.engines.contract import (ENGINE_EXTENSION_INPUTS, ENGINE_INPUTS, ENGINE_OUTPUTS,
+                                         REQUIRED_ENGINE_PARAMETERS, TensorSpec)
 
 CASES = [(profile, role) for profile in profiles() for role in ("target", "draft")]
 IDS = [f"{profile}-{role}" for profile, role in CASES]
@@ -58,6 +59,23 @@ def test_engine_declares_every_input_the_coordinator_sends(profile, role):
     config = model_config(engine_names(profile)[role], profile)
     problems = mismatches(ENGINE_INPUTS, config.input)
     assert not problems, f"{config.name} ({profile}) inputs: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("profile", profiles())
+def test_a_target_sent_the_cpu_engines_own_inputs_declares_them_optional(profile):
+    """The coordinator sends ENGINE_EXTENSION_INPUTS only where its
+    engine_prompt_length parameter is on: that profile's target declares each
+    (optional, so NVIDIA's clients calling it directly need not send it); a
+    target that declares none of them is never sent one."""
+    coordinator = model_config("coordinator", profile)
+    target = model_config(engine_names(profile)["target"], profile)
+    declared = {tensor.name: tensor for tensor in target.input}
+    if "engine_prompt_length" in coordinator.parameters and parameter(coordinator, "engine_prompt_length") == "true":
+        problems = mismatches(ENGINE_EXTENSION_INPUTS, target.input)
+        assert not problems, f"{target.name} ({profile}) inputs: " + "; ".join(problems)
+        assert all(declared[name].optional for name in ENGINE_EXTENSION_INPUTS)
+    else:
+        assert not set(ENGINE_EXTENSION_INPUTS) & set(declared), profile
 
 
 @pytest.mark.parametrize(("profile", "role"), CASES, ids=IDS)

@@ -485,3 +485,52 @@ def test_logits_match_the_model_run_by_transformers_whatever_the_forwards_carrie
         with torch.no_grad():
             reference = e.model(input_ids=sequence).logits[0, -5:]
         assert torch.allclose(torch.from_numpy(result.logits), reference, atol=1e-4), max_num_tokens
+
+
+def test_a_prompts_blocks_in_larger_calls_keep_speculation_identical_to_plain_decoding(model_dir):
+    """prompt_length sends a prompt's leading whole blocks through calls of the
+    prompt block (cpu_engine/prompt_blocks.py): plain decoding, verification
+    rounds, a cached shorter prompt and a batch-mate leave the text as it is."""
+    e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_cached_sequences=4,
+                       max_context_tokens=512, max_num_tokens=256, prompt_block="128")
+    assert e.row_shape.prompt_block == 128, e.row_shape.describe()
+    calls = []
+    probe = e.model.model.layers[0].mlp.down_proj.inner
+    probe.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    prompt = (np.arange(300) * 7 + 3) % 64
+    plain = e.run(EngineRequest(prompt, 12, prompt_length=300)).tokens
+    assert calls.count(128) == 2  # positions 0-255 in two 128-row calls; 256-298 and the decode rows in small ones
+    assert max(c for c in calls if c != 128) <= e.row_shape.block
+
+    def speculate(engine):
+        out = []
+        while len(out) < 12:
+            guess = [(t + (i == 2)) % 64 for i, t in enumerate(plain[len(out) : len(out) + 4])]
+            out += engine.run(EngineRequest(np.concatenate([prompt, out]).astype(np.int64), len(guess) + 1,
+                                            draft_tokens=np.array(guess), prompt_length=300)).tokens
+        return out[:12]
+
+    e.pool.clear()
+    assert speculate(e) == plain
+    e.pool.clear()
+    e.run(EngineRequest(prompt[:200], 8, prompt_length=200))  # a shorter prompt and its continuation, cached
+    assert speculate(e) == plain
+    e.pool.clear()
+    other = e.submit(EngineRequest((np.arange(280) * 5) % 64, 10, prompt_length=280))
+    mine = e.submit(EngineRequest(prompt, 12, prompt_length=300))
+    while not (other.finished and mine.finished):
+        e.step()
+    assert e.result(mine).tokens == plain
+    # the cache holds the prompt's blocks on their path: a call without prompt_length reuses none of them
+    assert e.run(EngineRequest(prompt, 1)).reused_tokens == 0
+
+
+@pytest.mark.parametrize("value", [0, 7])
+def test_a_prompt_length_outside_the_input_is_refused_with_its_name(value):
+    from trtllm_emulation.requests import read_request
+
+    tensors = {"input_ids": np.array([[3, 4, 5]], dtype=np.int32), "prompt_length": np.array([[value]], dtype=np.int32)}
+    with pytest.raises(EngineRequestError, match=rf"prompt_length must be between 1 and input_lengths \(3\), got {value}"):
+        read_request(tensors.get)
+    tensors["prompt_length"] = np.array([[2]], dtype=np.int32)
+    assert read_request(tensors.get).prompt_length == 2

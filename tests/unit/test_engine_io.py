@@ -19,6 +19,14 @@ def test_inputs_follow_the_contract_with_a_batch_dimension():
     assert tensors["random_seed"].tolist() == [[9]]
 
 
+def test_the_prompt_length_is_sent_only_when_given():
+    from coordinator.engines.contract import ENGINE_EXTENSION_INPUTS
+
+    assert "prompt_length" not in engine_inputs([1, 2], 1, SamplingParams(), end_id=2, pad_id=1)
+    sent = engine_inputs([1, 2], 1, SamplingParams(), end_id=2, pad_id=1, prompt_length=2)["prompt_length"]
+    assert sent.tolist() == [[2]] and sent.dtype == np.dtype(ENGINE_EXTENSION_INPUTS["prompt_length"].numpy_dtype)
+
+
 def test_greedy_is_sent_as_top_k_one_and_empty_draft_is_never_sent():
     tensors = engine_inputs([1], 1, SamplingParams(), end_id=2, pad_id=1, draft_tokens=[])
     assert "draft_input_ids" not in tensors

@@ -88,3 +88,17 @@ def test_a_kept_entry_counts_as_recently_used():
 def test_keeping_entries_needs_a_way_to_copy_them():
     with pytest.raises(ValueError, match="copy_prefix"):
         PrefixCachePool(2, tail=1)
+
+
+def test_an_entry_computed_on_another_prompt_path_is_reused_only_where_both_paths_agree():
+    """Positions below an entry's prompt_path went through the prompt's larger kernel
+    calls (cpu_engine/prompt_blocks.py): a call whose path differs reuses at most
+    the shorter path, past which its keys and values would be computed otherwise."""
+    tokens = np.arange(1, 41)
+    pool = PrefixCachePool(4, tail=4, copy_prefix=lambda cache, n: f"{cache}[:{n}]")
+    pool.put(tokens, "a", prompt_path=32)
+    assert pool.take(np.append(tokens, 7), prompt_path=32) == ("a", 40)  # its own next call: all of it
+    pool.put(tokens, "a", prompt_path=32)
+    assert pool.take(np.append(tokens, 7), prompt_path=16) == ("a[:16]", 16)
+    assert pool.take(np.append(tokens, 7)) == (None, 0)  # a call without a prompt path: nothing below 32 agrees
+    assert pool.take(np.append(tokens, 7), prompt_path=48) == ("a[:32]", 32)

@@ -27,6 +27,8 @@ COORDINATOR_PROFILE_DIFFERENCES: dict[str, str] = {
     "speculate_with_penalties": "lossless only where the target engine counts drafted tokens in each verified "
                                 "position's penalties: checked for the CPU engine, to be checked on a GPU for "
                                 "TensorRT-LLM (docs/gpu.md)",
+    "engine_prompt_length": "the CPU engine's own prompt_length input, which TensorRT-LLM and the sim engine "
+                            "do not declare: test_contract.py",
 }
 
 

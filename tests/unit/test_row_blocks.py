@@ -56,3 +56,24 @@ def test_every_linear_layer_is_wrapped_once_and_a_shared_one_once():
     x = torch.randn(5, 4)
     with shaping(RowShape(floor=1, budget=2)):
         assert torch.allclose(model(x), torch.nn.Sequential(model[0].inner, torch.nn.ReLU(), shared, shared)(x))
+
+
+def test_rows_marked_as_a_prompts_blocks_go_through_calls_of_the_prompt_block():
+    from cpu_engine.row_blocks import prompt_rows
+
+    inner = ShapeRecorder(limit=16)
+    layer = RowBlockedLinear(inner)
+    shape = RowShape(floor=2, budget=8, forward_rows=64, prompt_block=16)
+    rows = torch.randn(1, 27, 16, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(27, dtype=torch.bool)
+    mask[3:23] = True  # 20 prompt rows between decode rows
+    with shaping(shape), prompt_rows(mask):
+        out = layer(rows)
+    assert inner.calls == [16, 16, 7]  # 20 marked rows in two 16-row calls (the last padded), 7 others in one
+    marked = torch.nn.functional.pad(rows[0, 19:23], (0, 0, 0, 12))
+    assert torch.equal(out[0, 19:23], inner(marked)[:4])  # as a 16-row call computes them
+    assert torch.equal(out[0, :3], inner(rows[0, :3])) and torch.equal(out[0, 23:], inner(rows[0, 23:]))
+    inner.calls.clear()
+    with shaping(shape), prompt_rows(torch.tensor([True] + [False] * 4 + [True] * 3)):
+        layer(rows[:, :8])
+    assert inner.calls == [16, 4]  # a lone decode row would be padded to the floor: 4 rows here

@@ -192,3 +192,27 @@ def test_prompts_that_arrive_together_are_prefilled_in_turn_shortest_first():
     scheduler.add(catch_up)
     works, _ = step(scheduler)
     assert [(w.call, len(w.tokens)) for w in works] == [(catch_up, 5), (catch_up, 1), (prompt, 150), (prompt, 1)]
+
+
+def test_a_prompts_leading_blocks_are_taken_a_whole_block_at_a_time():
+    """Rows through the prompt's larger kernel calls (cpu_engine/prompt_blocks.py)
+    come in whole blocks: alone as many as fit, next to streams one block in
+    place of the shared chunk; the rest of the prompt as before."""
+    scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
+    prompt = call(61, new_tokens=2)
+    prompt.prompt_path = 48  # (61 - 1) // 16 * 16
+    scheduler.add(prompt)
+    works, _ = step(scheduler)
+    assert [len(w.tokens) for w in works] == [48]  # the blocks, not the whole budget: the rest is the small calls'
+    works, _ = step(scheduler)
+    assert [(len(w.tokens), w.logits) for w in works] == [(12, False), (1, True)]
+    scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
+    stream, prompt = call(4, new_tokens=10, reused=3), call(61, new_tokens=2)
+    prompt.prompt_path = 48
+    scheduler.add(stream)
+    scheduler.add(prompt)
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (prompt, 16)]  # a block, not 8 rows
+    prompt.prefilled = 40  # a cached prefix that ends inside a block: the block's rest
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (prompt, 8)]
