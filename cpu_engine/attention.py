@@ -35,7 +35,16 @@ the real target. (The linear layers' side of the same promise is measured at
 start-up: cpu_engine/rows.py.)
 
 Prompt prefill goes through the same blocks, so a prompt's keys and values do
-not depend on how its prefill was chunked between forwards.
+not depend on how its prefill was chunked between forwards. The rows of a
+prompt's leading whole blocks (cpu_engine/prompt_blocks.py: fixed by the
+request, never by the forward) go another way, which is just as fixed: each
+block of ``prompt_block`` rows aligned at a multiple of it, against keys
+0..its end, in one ``scaled_dot_product_attention`` call with a causal mask,
+rows of the block the forward does not carry (cached already) zero-padded.
+Where ``prompt_blocks_agree`` finds a block's rows not independent of its
+other rows on this machine, those rows go through the 8-row blocks too. On a
+2-vCPU Intel Xeon with AMX a 2,048-token prompt's attention took 1.1-1.2 s a
+model in 128-row blocks against 5.3-8.2 s in 8-row ones.
 """
 
 from __future__ import annotations
@@ -95,22 +104,28 @@ class Segment:
     start: int
     stop: int
     kv: SequenceKV | None
+    prompt_rows: int = 0  # leading rows in a prompt's whole blocks (attend_prompt_blocks)
 
 
 _segments: contextvars.ContextVar[Sequence[Segment] | None] = contextvars.ContextVar("segments", default=None)
 _stack: contextvars.ContextVar[int] = contextvars.ContextVar("stack", default=1)
+_prompt_block: contextvars.ContextVar[int] = contextvars.ContextVar("prompt_block", default=0)
 
 
 @contextlib.contextmanager
-def packed(segments: Sequence[Segment], stack: int = 1):
+def packed(segments: Sequence[Segment], stack: int = 1, prompt_block: int = 0):
     """The layout of the packed forward run inside this block; ``stack``: the most
-    attention blocks of one key length computed in one batched matmul."""
+    attention blocks of one key length computed in one batched matmul;
+    ``prompt_block``: the rows of a prompt block (0: segments' prompt rows go
+    through the 8-row blocks like any other)."""
     token, stacked = _segments.set(tuple(segments)), _stack.set(stack)
+    blocked = _prompt_block.set(prompt_block)
     try:
         yield
     finally:
         _segments.reset(token)
         _stack.reset(stacked)
+        _prompt_block.reset(blocked)
 
 
 def canonical_length(position: int) -> int:
@@ -131,7 +146,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
         if batch != 1:
             raise ValueError(f"{NAME} attention serves one sequence per forward outside the engine, got {batch}")
         return attend_rows(query, key, value, key.shape[2] - rows, scaling, sliding_window), None
-    stack = _stack.get()
+    stack, block = _stack.get(), _prompt_block.get()
     output = query.new_zeros(batch, rows, heads, dim)
     for segment in segments:
         if segment.kv is None:
@@ -139,8 +154,54 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
         rows_of = slice(segment.start, segment.stop)
         keys, values = segment.kv.append(module.layer_idx, key[:, :, rows_of], value[:, :, rows_of])
         offset = keys.shape[2] - (segment.stop - segment.start)
-        output[:, rows_of] = attend_rows(query[:, :, rows_of], keys, values, offset, scaling, sliding_window, stack)
+        marked = segment.prompt_rows if block and sliding_window is None else 0
+        if marked:
+            prompt = slice(segment.start, segment.start + marked)
+            output[:, prompt] = attend_prompt_blocks(query[:, :, prompt], keys, values, offset, scaling, block)
+        if segment.start + marked < segment.stop:
+            rest = slice(segment.start + marked, segment.stop)
+            output[:, rest] = attend_rows(query[:, :, rest], keys, values, offset + marked, scaling, sliding_window,
+                                          stack)
     return output, None
+
+
+def attend_prompt_blocks(query, key, value, offset, scaling, block):
+    """Rows at positions offset.. (query [1, heads, n, d]), all in a prompt's whole
+    blocks, against key/value [1, kv_heads, >= offset + n, d]: each block of
+    ``block`` rows aligned at a multiple of it in one causal attention call over
+    keys 0..its end, rows it does not carry zero; returns [1, n, heads, d]."""
+    _, heads, count, dim = query.shape
+    parts = []
+    for first in range(offset // block * block, offset + count, block):
+        lo, hi = max(first, offset), min(first + block, offset + count)
+        rows = query.new_zeros(1, heads, block, dim)
+        rows[:, :, lo - first : hi - first] = query[:, :, lo - offset : hi - offset]
+        length = first + block
+        mask = torch.arange(length).view(1, length) <= torch.arange(first, length).view(block, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            rows, _keys(key, length), _keys(value, length), attn_mask=mask, scale=scaling,
+            enable_gqa=heads != key.shape[1])
+        parts.append(out[:, :, lo - first : hi - first])
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+@torch.inference_mode()
+def prompt_blocks_agree(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, block: int,
+                        max_length: int) -> bool:
+    """Whether a prompt block's rows come out of ``attend_prompt_blocks`` bitwise
+    the same whatever its other rows hold (a block the forward carries in part has
+    them zero), at block ends up to ``max_length``."""
+    generator = torch.Generator().manual_seed(0)
+    for length in range(block, max_length + 1, max(block, max_length // 8 // block * block)):
+        query = torch.randn(1, heads, block, dim, generator=generator).to(dtype)
+        key = torch.randn(1, kv_heads, length, dim, generator=generator).to(dtype)
+        value = torch.randn(1, kv_heads, length, dim, generator=generator).to(dtype)
+        whole = attend_prompt_blocks(query, key, value, length - block, 1.0, block)
+        for carried in (1, block // 2 + 3):
+            part = attend_prompt_blocks(query[:, :, -carried:], key, value, length - carried, 1.0, block)
+            if not torch.equal(part, whole[:, -carried:]):
+                return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,12 @@ class CausalLMEngine:
                                                            DTYPES[self.dtype], max_context_tokens)
             log.info("attention: up to %d blocks of one key length a matmul (measured in %.1f s)",
                      self.attention_stack, time.perf_counter() - started)
+        # A prompt's blocks attend in one call a block where their rows do not depend on each other here.
+        self.prompt_attention = bool(block) and attention.prompt_blocks_agree(
+            *attention.model_heads(self.model.config), DTYPES[self.dtype], block, max_context_tokens)
+        if block:
+            log.info("attention: a prompt's blocks %s", "in one call a block" if self.prompt_attention
+                     else "in 8-row blocks (a block's rows depend on its others here)")
         # Next to running streams a prompt's prefill takes one block a forward,
         # so it delays their next token by about one block's cost.
         self.scheduler = Scheduler(self.row_shape.capacity, shared_prefill=self.row_shape.block,
@@ -327,11 +333,11 @@ class CausalLMEngine:
             earlier[key] = earlier.get(key, 0) + len(work.tokens)
             ids += work.tokens
             positions += range(cached, cached + len(work.tokens))
-            segments.append(attention.Segment(start, len(ids), work.call.sequence))
+            in_blocks = 0 if work.logits else max(0, min(len(work.tokens), work.call.prompt_path - cached))
+            segments.append(attention.Segment(start, len(ids), work.call.sequence, in_blocks))
             if work.logits:
                 wanted += range(start, len(ids))
-            else:
-                marked += range(start, start + max(0, min(len(work.tokens), work.call.prompt_path - cached)))
+            marked += range(start, start + in_blocks)
         real = len(ids)
         shaped = self.invariance == "always" or (self.invariance == "sampled"
                                                  and any(not work.call.sampling.greedy for work in works))
@@ -347,7 +353,8 @@ class CausalLMEngine:
         if shaped and marked:
             mask = torch.zeros(total, dtype=torch.bool)
             mask[marked] = True
-        with attention.packed(segments, self.attention_stack), shaping(self.row_shape if shaped else None):
+        block = self.row_shape.prompt_block if shaped and self.prompt_attention else 0
+        with attention.packed(segments, self.attention_stack, block), shaping(self.row_shape if shaped else None):
             with prompt_rows(mask):
                 hidden = self.model.model(
                     input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),

@@ -224,3 +224,34 @@ def test_canonical_lengths():
 
 
 # ---- the real target: speculation is bitwise-identical to plain decoding --------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_blocks_rows_are_the_same_however_the_forwards_carried_them(dtype):
+    """A prompt's whole blocks attend a block a call (attend_prompt_blocks): a
+    block carried in two forwards, or from a cached prefix that ends inside it,
+    gives its rows the bits the whole block gives them, and it is causal
+    attention."""
+    block, heads, kv_heads, dim = 16, 12, 2, 32
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, heads, 3 * block, dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, 3 * block, dim, generator=generator).to(dtype)
+    value = torch.randn(1, kv_heads, 3 * block, dim, generator=generator).to(dtype)
+    whole = attention.attend_prompt_blocks(query, key, value, 0, 0.3, block)
+    for start, stop in [(0, 16), (16, 48), (5, 16), (21, 40), (40, 48)]:
+        part = attention.attend_prompt_blocks(query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop],
+                                              start, 0.3, block)
+        assert torch.equal(part, whole[:, start:stop]), (start, stop)
+    reference = attention.attend_rows(query.float(), key.float(), value.float(), 0, 0.3)
+    assert torch.allclose(whole.float(), reference, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_prompt_blocks_whose_rows_depend_on_each_other_are_not_used(monkeypatch):
+    assert attention.prompt_blocks_agree(12, 2, 32, torch.float32, 16, 64)
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def mixing(query, *args, **kwargs):  # each row's output moved by the block's mean query
+        return real(query, *args, **kwargs) + query.mean(dim=2, keepdim=True) * 1e-3
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", mixing)
+    assert not attention.prompt_blocks_agree(12, 2, 32, torch.float32, 16, 64)

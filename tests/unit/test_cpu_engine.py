@@ -493,7 +493,7 @@ def test_a_prompts_blocks_in_larger_calls_keep_speculation_identical_to_plain_de
     rounds, a cached shorter prompt and a batch-mate leave the text as it is."""
     e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_cached_sequences=4,
                        max_context_tokens=512, max_num_tokens=256, prompt_block="128")
-    assert e.row_shape.prompt_block == 128, e.row_shape.describe()
+    assert e.row_shape.prompt_block == 128 and e.prompt_attention, e.row_shape.describe()
     calls = []
     probe = e.model.model.layers[0].mlp.down_proj.inner
     probe.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
