@@ -135,10 +135,10 @@ def host_steal_seconds() -> float | None:
 
 def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]], max_tokens: int,
               threads: int, progress, copy: Sequence[Prompt] = (), lookup_tokens: int = 8,
-              dtypes: Sequence[str] = PEER_DTYPES) -> list[Measurement]:
+              dtypes: Sequence[str] = PEER_DTYPES, engine_settings: dict | None = None) -> list[Measurement]:
     """Plain and assisted generation on every prompt set, in each of ``dtypes``; on the copy-heavy set
     also transformers' prompt lookup (``prompt_lookup_num_tokens``, the server's window); then the
-    in-process engine in the server target's dtype."""
+    in-process engine in the server target's dtype, with ``engine_settings`` (server_engine_settings)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -151,7 +151,27 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
         results += run_library_peers(target_dir, draft_dir, tokenizer, prompts, max_tokens, progress, copy,
                                      lookup_tokens, dtype)
     # The engine in the dtype the server's target picks (its config says auto).
-    return results + run_engine_peer(target_dir, tokenizer, prompts, max_tokens, threads, resolve_dtype("auto"))
+    return results + run_engine_peer(target_dir, tokenizer, prompts, max_tokens, threads, resolve_dtype("auto"),
+                                     engine_settings or {})
+
+
+# The target engine's parameters that shape its forwards: the in-process engine takes the server's.
+ENGINE_PEER_PARAMETERS = {"max_num_tokens": int, "max_draft_len": int, "row_invariant": str,
+                          "linear_kernel": str, "prompt_block": str}
+
+
+def server_engine_settings(url: str, model: str = "target") -> dict:
+    """The running server's ``model`` parameters of ENGINE_PEER_PARAMETERS ({} where it
+    does not answer or is not the CPU engine)."""
+    import tritonclient.grpc as grpcclient
+
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            config = client.get_model_config(model, as_json=True)["config"]
+    except Exception:  # noqa: BLE001 - no server, or another engine: the in-process engine's defaults
+        return {}
+    parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+    return {name: kind(parameters[name]) for name, kind in ENGINE_PEER_PARAMETERS.items() if name in parameters}
 
 
 def run_library_peers(target_dir: Path, draft_dir: Path, tokenizer, prompts: dict[int, list[Prompt]],
@@ -203,20 +223,23 @@ def run_library_peers(target_dir: Path, draft_dir: Path, tokenizer, prompts: dic
 
 
 def run_engine_peer(target_dir: Path, tokenizer, prompts: dict[int, list[Prompt]], max_tokens: int,
-                    threads: int, dtype: str) -> list[Measurement]:
-    """This project's CPU engine in-process: the server's plain tokens/s over it is the serving overhead."""
+                    threads: int, dtype: str, settings: dict | None = None) -> list[Measurement]:
+    """This project's CPU engine in-process, set as the server's target (``settings``) and
+    sent each prompt's length as the coordinator sends it: the server's plain tokens/s
+    over it is the serving overhead."""
     import numpy as np
 
     from cpu_engine.engine import CausalLMEngine, EngineRequest
 
-    engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0)
+    engine = CausalLMEngine(str(target_dir), dtype=dtype, num_threads=threads, max_cached_sequences=0,
+                            **(settings or {}))
     results = []
     for length, group in prompts.items():
         measurement = Measurement(ENGINE, length, 1, dtype=dtype)
         for prompt in group:
             ids = np.asarray(tokenizer(prompt.text).input_ids)
             stolen, started = host_steal_seconds(), time.perf_counter()
-            result = engine.run(EngineRequest(ids, max_tokens))
+            result = engine.run(EngineRequest(ids, max_tokens, prompt_length=len(ids)))
             measurement.seconds += time.perf_counter() - started
             measurement.add_steal(stolen, host_steal_seconds())
             measurement.requests += 1
@@ -663,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
             measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress,
-                                      copy, CoordinatorSettings().speculation_window, args.peer_dtypes)
+                                      copy, CoordinatorSettings().speculation_window, args.peer_dtypes,
+                                      server_engine_settings(args.url))
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
         modes = args.modes

@@ -277,3 +277,38 @@ def test_no_serving_overhead_line_without_the_in_process_engine():
     assert "serving overhead (in-process engine" in with_engine and "150-token prompts +25.0%" in with_engine
     skipped_peers = format_table(summarise([measurement("server plain", 4.0)], []))
     assert "serving overhead" not in skipped_peers
+
+
+def test_the_in_process_engine_takes_the_servers_forward_settings(monkeypatch):
+    """The serving overhead compares the server with the same engine in-process:
+    it must shape forwards as the server's target does (its max_num_tokens,
+    prompt_block, ...), whatever else the target's config holds."""
+    import tritonclient.grpc as grpcclient
+
+    from tools import compare
+
+    class Client:
+        def __init__(self, url):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def get_model_config(self, model, as_json=False):
+            assert model == "target" and as_json
+            return {"config": {"parameters": {"max_num_tokens": {"string_value": "512"},
+                                              "prompt_block": {"string_value": "auto"},
+                                              "model_dir": {"string_value": "/models/target"}}}}
+
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", Client)
+    assert compare.server_engine_settings("localhost:8001") == {"max_num_tokens": 512, "prompt_block": "auto"}
+
+    class Unreachable(Client):
+        def get_model_config(self, model, as_json=False):
+            raise ConnectionError("no server")
+
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", Unreachable)
+    assert compare.server_engine_settings("localhost:8001") == {}
