@@ -166,12 +166,16 @@ class Scheduler:
 
     def _chunk(self, call: Call, left: int, room: int) -> int:
         """Prompt rows of ``call`` the next forward takes: within the prompt's
-        blocks a whole number of blocks (at least one), else what fits."""
+        blocks a whole number of blocks (at least one) and, once they are all
+        in, what of the rest fits; past its blocks what fits."""
         blocks_left = call.prompt_path - call.prefilled
         if blocks_left <= 0 or not self.prompt_block:
             return min(left, room)
         block = self.prompt_block
-        return min(blocks_left, max(room, block) // block * block)
+        take = min(blocks_left, max(room, block) // block * block)
+        if take == blocks_left:  # its blocks all in: the rest of the prompt as the room allows
+            take += max(0, min(left - blocks_left, room - take))
+        return take
 
     def finish(self, works: Sequence[Work], logits: Sequence[np.ndarray | None]) -> list[Call]:
         """Hand each work its logits; returns the calls that finished (removed)."""

@@ -203,9 +203,22 @@ def test_a_prompts_leading_blocks_are_taken_a_whole_block_at_a_time():
     prompt.prompt_path = 48  # (61 - 1) // 16 * 16
     scheduler.add(prompt)
     works, _ = step(scheduler)
-    assert [len(w.tokens) for w in works] == [48]  # the blocks, not the whole budget: the rest is the small calls'
+    # alone: its blocks, the rest of the prompt and its first decode row in one forward, as without blocks
+    assert [(len(w.tokens), w.logits) for w in works] == [(60, False), (1, True)]
+    scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
+    prompts = [call(61, new_tokens=2), call(61, new_tokens=2)]
+    for prompt in prompts:
+        prompt.prompt_path = 48
+        scheduler.add(prompt)
     works, _ = step(scheduler)
-    assert [(len(w.tokens), w.logits) for w in works] == [(12, False), (1, True)]
+    # two prompts at once: the first whole, the second not started (prefilled in turn)
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [(prompts[0], 60, False), (prompts[0], 1, True)]
+    scheduler = Scheduler(capacity=40, shared_prefill=8, prompt_block=16)
+    prompt = call(61, new_tokens=2)
+    prompt.prompt_path = 48
+    scheduler.add(prompt)
+    assert [len(w.tokens) for w in step(scheduler)[0]] == [32]  # a forward too small for all blocks: whole blocks
+    assert [len(w.tokens) for w in step(scheduler)[0]] == [16 + 12, 1]
     scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
     stream, prompt = call(4, new_tokens=10, reused=3), call(61, new_tokens=2)
     prompt.prompt_path = 48
