@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -388,6 +389,18 @@ def wait_until_idle(metrics_url: str | None, timeout: float = 600.0, poll: float
         time.sleep(poll)
 
 
+def _metrics_text(metrics_url: str | None) -> str | None:
+    """The server's metrics exposition (None without a metrics URL or where it does not answer)."""
+    from tools.scrape import fetch_metrics
+
+    if not metrics_url:
+        return None
+    try:
+        return fetch_metrics(metrics_url)
+    except OSError:
+        return None
+
+
 def _forward_time(metrics_url: str | None) -> dict[str, tuple[int, float]]:
     """The engines' forward counters now (empty without a metrics port or engine counters)."""
     from tools.scrape import engine_forward_time, fetch_metrics
@@ -425,6 +438,30 @@ def _record(measurement: Measurement, prompt: Prompt, completion) -> None:
 
 
 # -- summary -----------------------------------------------------------------------
+
+FORECAST_ERRORS = "specdec_forecast_epoch_error_ratio"
+FORECAST_AIM = 0.15  # the batch forecast's aim: a run's median epoch within 15 % of what it measured
+
+
+def forecast_accuracy(before: str, after: str) -> dict[str, dict]:
+    """Per regime, the load governor's epochs between two scrapes of the metrics: how many,
+    how many forecast within FORECAST_AIM, and the bucket the median error falls in."""
+    from tools.scrape import histogram_counts
+
+    accuracy = {}
+    for regime in ("plain", "speculate"):
+        earlier = histogram_counts(before, FORECAST_ERRORS, regime=regime)
+        counts = {bound: count - earlier.get(bound, 0.0)
+                  for bound, count in sorted(histogram_counts(after, FORECAST_ERRORS, regime=regime).items())}
+        epochs = counts.get(math.inf, 0.0)
+        if not epochs or FORECAST_AIM not in counts or -FORECAST_AIM not in counts:
+            continue
+        bounds = list(counts)
+        median = next(i for i, bound in enumerate(bounds) if counts[bound] >= epochs / 2)
+        accuracy[regime] = {"epochs": int(epochs), "within_aim": int(counts[FORECAST_AIM] - counts[-FORECAST_AIM]),
+                            "median_between": [bounds[median - 1] if median else -math.inf, bounds[median]]}
+    return accuracy
+
 
 def summarise(measurements: list[Measurement], identity: list[Measurement]) -> dict:
     """Rows with ratios: vs plain transformers generate (same prompt length; concurrency 1 for the peer), vs the
@@ -537,6 +574,11 @@ def format_table(summary: dict) -> str:
                      "the target's forwards): " + ", ".join(
                          f"{r['system']} {r['prompt_set']} {r['prompt_tokens']} "
                          f"{r['overhead_per_round_in_target_forwards']:.1%}" for r in metered))
+    for regime, found in summary.get("forecast_accuracy", {}).items():
+        low, high = found["median_between"]
+        notes.append(f"the load governor's batch forecast against its {regime} epochs at more than one stream: "
+                     f"{found['within_aim']} of {found['epochs']} within {FORECAST_AIM:.0%}, the median error "
+                     f"between {low:+.0%} and {high:+.0%}")
     notes += [f"MISMATCH: {m['system']} at {m['concurrency']} streams differs from server plain on {m['prompt']}"
               for m in summary["mismatches"]]
     if not summary["mismatches"]:
@@ -702,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
                                     prompt_set, metrics_url=args.metrics_url or None):
                 measurements.append(m)
                 progress(_progress_line(m))
+        before_loads = _metrics_text(args.metrics_url)
         for concurrency in sorted(set(args.concurrency) - {1}):
             for mode in server_modes:
                 if args.warmup_seconds > 0:  # the same load, unmeasured
@@ -711,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                                shortest, tag=f"{mode} {shortest} {concurrency}")
                 measurements.append(m)
                 progress(_progress_line(m))
+        after_loads = _metrics_text(args.metrics_url)
         # Identity: the same prompts in every mode, in a crowd of the largest concurrency,
         # and the first prompt of every longer length at one stream.
         crowd = max(args.concurrency)
@@ -729,6 +773,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR
     summary = summarise(measurements, identity)
+    if before_loads is not None and after_loads is not None:
+        summary["forecast_accuracy"] = forecast_accuracy(before_loads, after_loads)
     table = format_table(summary)
     where = machine()
     print(f"\n{where}; greedy, max_tokens {args.max_tokens}, prompts per length {args.prompts}\n\n{table}")

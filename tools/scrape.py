@@ -50,3 +50,13 @@ def engine_running_calls(text: str) -> dict[str, int]:
     """Calls in flight in each CPU engine (gauge specdec_engine_running_calls, by model); empty
     where the engines export none (the trtllm profile)."""
     return {found["model"]: int(value) for found, value in metric_samples(text, "specdec_engine_running_calls")}
+
+
+def histogram_counts(text: str, name: str, **labels: str) -> dict[float, float]:
+    """The histogram ``name``'s cumulative count at each upper bound (``le``; inf for all),
+    summed over its series whose labels include ``labels``."""
+    counts: dict[float, float] = {}
+    for found, value in metric_samples(text, f"{name}_bucket", **labels):
+        bound = float(found["le"])
+        counts[bound] = counts.get(bound, 0.0) + value
+    return counts

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from coordinator.policy.batchcost import Forecast
@@ -48,6 +49,7 @@ from coordinator.policy.costmodel import MovingAverage, load_bucket, load_label
 log = logging.getLogger(__name__)
 
 SPECULATE, PLAIN = "speculate", "plain"
+EPOCH_ERRORS_KEPT = 256  # epochs' forecast errors held for the metrics (a governor without them keeps the last)
 MIN_EPOCHS = 2  # epochs a regime is measured before the other can win against it
 # What an uncalibrated speculative forecast must beat plain decoding's by: the accuracy
 # the calibrated forecast is held to. What the raw model leaves out (batchcost.py) only
@@ -79,6 +81,8 @@ class LoadGovernor:
     calibration: dict[str, MovingAverage] = field(default_factory=dict)
     # Per regime, the last epoch's calibrated prediction over its measurement, minus 1.
     forecast_error: dict[str, float] = field(default_factory=dict)
+    # Every epoch's (regime, error) since the metrics last took them: the error's spread over a run.
+    epoch_errors: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=EPOCH_ERRORS_KEPT))
 
     def speculation_allowed(self, streams: int) -> bool:
         return self._regime(load_bucket(streams), streams) == SPECULATE
@@ -125,7 +129,14 @@ class LoadGovernor:
         if raw is None or rate <= 0 or raw.rate(regime) <= 0:
             return
         self.forecast_error[regime] = self._calibrated(raw).rate(regime) / rate - 1.0
+        self.epoch_errors.append((regime, self.forecast_error[regime]))
         self.calibration.setdefault(regime, MovingAverage()).add(rate / raw.rate(regime), weight=0.3)
+
+    def take_epoch_errors(self) -> list[tuple[str, float]]:
+        """The (regime, forecast error) of every epoch scored since the last call."""
+        taken = list(self.epoch_errors)
+        self.epoch_errors.clear()
+        return taken
 
     def _measured_faster(self, bucket: int) -> str | None:
         plain, speculate = self.rates.get((bucket, PLAIN)), self.rates.get((bucket, SPECULATE))

@@ -168,6 +168,14 @@ FORECAST_ERROR = {
                   "second over what it measured, minus 1 (0.1: predicted 10 % too many)", [("regime", regime)])
     for regime in (PLAIN, SPECULATE)
 }
+# Forecast errors of the governor's epochs: +-5, 15, 30, 50 % (the aim: a run's median within 15 %).
+FORECAST_ERROR_BUCKETS = (-0.5, -0.3, -0.15, -0.05, 0.05, 0.15, 0.3, 0.5)
+FORECAST_ERROR_EPOCHS = {
+    regime: _spec("specdec_forecast_epoch_error_ratio", HISTOGRAM,
+                  "Every load-governor epoch in this regime: the calibrated forecast of its tokens per second "
+                  "over what it measured, minus 1", [("regime", regime)], FORECAST_ERROR_BUCKETS)
+    for regime in (PLAIN, SPECULATE)
+}
 FORECAST_STEP = _spec("specdec_forecast_plain_step_seconds", GAUGE,
                       "Predicted seconds of one plain target forward of the current batch "
                       "(measured: specdec_plain_step_seconds)")
@@ -230,6 +238,7 @@ FIXED_SPECS = (
     *LOAD_REGIME.values(),
     *FORECAST_RATE.values(),
     *FORECAST_ERROR.values(),
+    *FORECAST_ERROR_EPOCHS.values(),
     *MEASURED_RATE.values(),
     FORECAST_STEP,
     *COORDINATOR_CPU.values(),
@@ -331,6 +340,8 @@ class MetricsRecorder:
             get(MEASURED_RATE[regime]).set(governor.rate(streams, regime) or 0.0)
             if regime in governor.forecast_error:
                 get(FORECAST_ERROR[regime]).set(governor.forecast_error[regime])
+        for regime, error in governor.take_epoch_errors():
+            get(FORECAST_ERROR_EPOCHS[regime]).observe(error)
 
     def _set_fallback(self, request: RequestMetrics, active: bool) -> None:
         (self._fallback.add if active else self._fallback.discard)(id(request))

@@ -157,3 +157,53 @@ def test_the_measured_row_shape_holds_on_the_targets_own_activations(real_target
             assert rows.shape[0] == 2 * shape.budget, (layer, rows.shape)
             worst = disagreeing_count(layer, rows, shape.budget, range(shape.floor, shape.budget + 1))
             assert worst is None, (layer, worst, shape.describe())
+
+
+@pytest.mark.slow
+def test_a_prompts_blocks_give_the_same_bits_however_the_prefill_was_cut(real_target_dir):
+    """The real target as served (forwards of up to 512 rows, the prompt block
+    measured at start-up), a prompt sent with its length: its first tokens'
+    logits are bitwise the same prefilled alone, from a cached prefix that ends
+    inside a block, next to a decoding stream, and verified with drafts."""
+    from tokenizers import Tokenizer
+
+    from tools.prompts import load_humaneval
+    from cpu_engine.engine import CausalLMEngine, EngineRequest
+    from tests._config_helpers import model_config, parameter
+
+    served = model_config("target", "cpu")
+    engine = CausalLMEngine(str(real_target_dir), dtype=served_dtype(), num_threads=2,
+                            max_num_tokens=int(parameter(served, "max_num_tokens")),
+                            prompt_block=parameter(served, "prompt_block"))
+    block = engine.row_shape.prompt_block
+    if block is None:
+        pytest.skip(f"no prompt block pays on this machine: {engine.row_shape.describe()}")
+    tokenizer = Tokenizer.from_file(str(real_target_dir / "tokenizer.json"))
+    problems = load_humaneval()
+    text = "".join(problems[f"HumanEval/{i}"] for i in range(20, 40))
+    prompt = np.array(tokenizer.encode(text, add_special_tokens=True).ids[: 4 * block + block // 2 + 7])
+    length = len(prompt)
+
+    def run(ids=prompt, tokens=8, **kwargs):
+        return engine.run(EngineRequest(ids, tokens, return_logits=True, prompt_length=len(ids), **kwargs))
+
+    alone = run()
+    engine.pool.clear()
+    other = prompt.copy()
+    other[3 * block + 5 :] = (other[3 * block + 5 :] + 1) % 1000  # shares 3 blocks and 5 rows of the fourth
+    run(other)
+    cut = run()
+    assert cut.reused_tokens == 3 * block + 5
+    engine.pool.clear()
+    stream = engine.submit(EngineRequest(np.array(prompt[:100]), 40, prompt_length=100))
+    while not stream.plain.tokens:
+        engine.step()
+    beside = engine.submit(EngineRequest(prompt, 8, return_logits=True, prompt_length=length))
+    while not beside.finished:
+        engine.step()
+    crowded = engine.result(beside)
+    engine.pool.clear()
+    verified = run(tokens=6, draft_tokens=np.array(alone.tokens[:5]))
+    for name, result in (("cut", cut), ("beside a stream", crowded)):
+        assert result.tokens == alone.tokens and np.array_equal(result.logits, alone.logits), name
+    assert verified.tokens == alone.tokens[:6] and np.array_equal(verified.logits, alone.logits[:6])

@@ -186,6 +186,10 @@ def test_epochs_calibrate_the_forecast_at_loads_not_measured_yet():
     assert not governor.speculation_allowed(8)  # priced from the calibrated forecast
     assert "predict plain decoding 40" in governor.why_plain(8)
     assert governor.forecast_error[SPECULATE] == pytest.approx(0.0, abs=0.05)  # learnt by the last epochs
+    errors = governor.take_epoch_errors()  # every epoch's, for the metrics' histogram
+    assert {regime for regime, _ in errors} == {SPECULATE, PLAIN} and len(errors) >= 5
+    assert errors[-1][1] == governor.forecast_error[errors[-1][0]]
+    assert governor.take_epoch_errors() == []
     assert governor.predicted(1).plain == pytest.approx(5.0, rel=0.05)  # the metrics show one stream too
 
 

@@ -312,3 +312,24 @@ def test_the_in_process_engine_takes_the_servers_forward_settings(monkeypatch):
 
     monkeypatch.setattr(grpcclient, "InferenceServerClient", Unreachable)
     assert compare.server_engine_settings("localhost:8001") == {}
+
+
+
+def test_the_forecasts_accuracy_over_the_load_runs_is_read_from_the_epoch_histogram():
+    from tools import compare
+
+    def exposition(counts):  # cumulative counts at -0.15, 0.15, +inf per regime
+        lines = ["# HELP specdec_forecast_epoch_error_ratio x", "# TYPE specdec_forecast_epoch_error_ratio histogram"]
+        for regime, (low, high, total) in counts.items():
+            for bound, count in (("-0.5", 0), ("-0.15", low), ("0.15", high), ("+Inf", total)):
+                lines.append(f'specdec_forecast_epoch_error_ratio_bucket{{regime="{regime}",le="{bound}"}} {count}')
+            lines.append(f'specdec_forecast_epoch_error_ratio_count{{regime="{regime}"}} {total}')
+            lines.append(f'specdec_forecast_epoch_error_ratio_sum{{regime="{regime}"}} 0')
+        return "\n".join(lines) + "\n"
+
+    before = exposition({"plain": (1, 2, 2), "speculate": (0, 0, 0)})
+    after = exposition({"plain": (1, 8, 9), "speculate": (3, 4, 4)})
+    accuracy = compare.forecast_accuracy(before, after)
+    assert accuracy["plain"] == {"epochs": 7, "within_aim": 6, "median_between": [-0.15, 0.15]}
+    assert accuracy["speculate"] == {"epochs": 4, "within_aim": 1, "median_between": [-0.5, -0.15]}
+    assert compare.forecast_accuracy(after, after) == {}  # no epoch between the scrapes

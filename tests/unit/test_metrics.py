@@ -145,8 +145,8 @@ def test_kubernetes_rules_only_use_exported_or_recorded_metrics():
 def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_side():
     from coordinator.policy.batchcost import BatchForecaster
     from coordinator.policy.governor import PLAIN, SPECULATE, LoadGovernor
-    from coordinator.response.metrics import (COORDINATOR_CPU, FORECAST_ERROR, FORECAST_RATE, FORECAST_STEP,
-                                              MEASURED_RATE)
+    from coordinator.response.metrics import (COORDINATOR_CPU, FORECAST_ERROR, FORECAST_ERROR_EPOCHS,
+                                              FORECAST_RATE, FORECAST_STEP, MEASURED_RATE)
 
     batch = BatchForecaster.empty()
     for rows in (1, 5):
@@ -156,6 +156,7 @@ def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_s
     governor.rates[(2, PLAIN)] = MovingAverage(9.0, 2)  # load bucket 2: 3-4 streams
     governor.calibration[SPECULATE] = MovingAverage(0.5, 3)  # speculation's epochs served half its forecast
     governor.forecast_error[SPECULATE] = 0.2
+    governor.epoch_errors.extend([(SPECULATE, 0.2), (PLAIN, -0.04)])
     made = {}
     metrics = MetricsRecorder(lambda spec: made.setdefault(spec, Fake()), Clock(), governor=governor)
     metrics.costs.streams = 4
@@ -167,6 +168,8 @@ def test_the_batch_forecast_and_the_governors_measurement_are_exported_side_by_s
     assert made[FORECAST_RATE[PLAIN]].value == pytest.approx(4 / (0.1 + 0.02 * 4)) == forecast.plain
     assert forecast.speculative > 0 and made[FORECAST_RATE[SPECULATE]].value == pytest.approx(0.5 * forecast.speculative)
     assert made[FORECAST_ERROR[SPECULATE]].value == 0.2
+    assert made[FORECAST_ERROR_EPOCHS[SPECULATE]].observed == [0.2]  # each epoch once, into a histogram
+    assert made[FORECAST_ERROR_EPOCHS[PLAIN]].observed == [-0.04] and not governor.epoch_errors
     assert made[FORECAST_STEP].value == pytest.approx(0.18)
     assert made[MEASURED_RATE[PLAIN]].value == 9.0 and made[MEASURED_RATE[SPECULATE]].value == 0.0
 
