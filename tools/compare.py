@@ -403,14 +403,10 @@ def _metrics_text(metrics_url: str | None) -> str | None:
 
 def _forward_time(metrics_url: str | None) -> dict[str, tuple[int, float]]:
     """The engines' forward counters now (empty without a metrics port or engine counters)."""
-    from tools.scrape import engine_forward_time, fetch_metrics
+    from tools.scrape import engine_forward_time
 
-    if not metrics_url:
-        return {}
-    try:
-        return engine_forward_time(fetch_metrics(metrics_url))
-    except OSError:
-        return {}
+    text = _metrics_text(metrics_url)
+    return {} if text is None else engine_forward_time(text)
 
 
 def _meter(measurement: Measurement, before: dict, after: dict, seconds: float, completion) -> None:

@@ -37,7 +37,8 @@ def engine_inputs(
     stop words (TensorRT-LLM takes a single ``end_id``). ``prompt_length``: the
     CPU engine's own input (contract.ENGINE_EXTENSION_INPUTS), sent when given."""
     def scalar(name: str, value) -> np.ndarray:
-        return np.array([[value]], dtype=ENGINE_INPUTS[name].numpy_dtype)
+        spec = ENGINE_INPUTS.get(name) or ENGINE_EXTENSION_INPUTS[name]
+        return np.array([[value]], dtype=spec.numpy_dtype)
 
     tensors = {
         "input_ids": np.asarray(input_ids, dtype=np.int32).reshape(1, -1),
@@ -76,7 +77,7 @@ def engine_inputs(
     if streaming:  # a decoupled engine then answers with each step's new tokens
         tensors["streaming"] = scalar("streaming", True)
     if prompt_length is not None:
-        tensors["prompt_length"] = np.array([[prompt_length]], dtype=ENGINE_EXTENSION_INPUTS["prompt_length"].numpy_dtype)
+        tensors["prompt_length"] = scalar("prompt_length", prompt_length)
     return tensors
 
 

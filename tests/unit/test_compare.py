@@ -19,6 +19,19 @@ from tools.compare import (
 from tools.prompts import copy_prompts, held_out_prompts
 
 
+class GrpcClient:
+    """A stand-in for tritonclient's gRPC client as ``with InferenceServerClient(url)`` uses it."""
+
+    def __init__(self, url):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def words(text: str) -> int:
     return len(text.split())
 
@@ -109,22 +122,12 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
 
     sent = []
 
-    class Client:
-        def __init__(self, url):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     def completion(client, mode):
         sent.append(mode)
         return types.SimpleNamespace(completion_tokens=8, draft_tokens=4, accepted_draft_tokens=3,
                                      time_to_first_chunk=0.1, text="x", fallback_reason="")
 
-    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", Client)
+    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", GrpcClient)
     monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: mode)
     monkeypatch.setattr(tools.client, "stream_completion", completion)
     prompts = [Prompt(f"p{i}", f"def f{i}():", 3) for i in range(3)]
@@ -287,16 +290,7 @@ def test_the_in_process_engine_takes_the_servers_forward_settings(monkeypatch):
 
     from tools import compare
 
-    class Client:
-        def __init__(self, url):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
+    class Client(GrpcClient):
         def get_model_config(self, model, as_json=False):
             assert model == "target" and as_json
             return {"config": {"parameters": {"max_num_tokens": {"string_value": "512"},
