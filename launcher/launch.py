@@ -46,6 +46,8 @@ GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 # HTTP (infer, generate, generate_stream) and gRPC alike; the OpenAI frontend
 # asks its clients for the same key. Health and metadata stay open (probes).
 INFERENCE_APIS = ("inference",)
+# The longest the launcher waits for the coordinator's first request (its engines timed, one token).
+FIRST_REQUEST_SECONDS = 300.0
 # Without an API key, listening beyond loopback needs this set to 1: inference
 # is then open to everyone who can reach the ports (an authenticating gateway
 # in front, for example).
@@ -259,6 +261,19 @@ def wait_until_ready(process: subprocess.Popen, options: ServerOptions, timeout:
     readiness.wait_for(process, url, "tritonserver", timeout)
 
 
+def send_first_request(options: ServerOptions, timeout: float = FIRST_REQUEST_SECONDS) -> None:
+    """The coordinator times its engines before it serves its first request
+    (coordinator/policy/startup_profile.py): sent here, one token, so no user's
+    request waits for it. A failure is reported; the server still serves."""
+    from selfheal.probe import probe
+
+    url = f"{readiness.local_host(options.address)}:{options.grpc_port}"
+    answered, why = probe(url, "coordinator", timeout, api_key=options.api_key, coordinator=True)
+    if not answered:
+        print(f"specdec-serve: the first request (the coordinator times its engines on it) failed: {why}",
+              file=sys.stderr, flush=True)
+
+
 def _parse_args(argv: list[str] | None) -> ServerOptions:
     env = os.environ
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -384,6 +399,7 @@ def _serve(options: ServerOptions, pair: PreparedPair, process: subprocess.Popen
         process.terminate()
         process.wait()
         return 1
+    send_first_request(options)
     if engine_watchdog.enabled():
         children.append(engine_watchdog.start(readiness.local_url(options.address, options.http_port), process.pid,
                                               options.admin_key, ADMIN_KEY_VAR, options.address,

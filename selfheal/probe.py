@@ -1,12 +1,14 @@
 """A one-token inference sent straight to an engine (``target`` or
 ``draft``) in the tensorrtllm contract: the check that works for any backend
 (the GPU path's TensorRT-LLM executors have no stub to watch) and that also
-notices an engine that is alive but no longer answers."""
+notices an engine that is alive but no longer answers. The same to the
+coordinator is its first request (which times the engines before it is served)."""
 
 from __future__ import annotations
 
 import queue
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
@@ -27,17 +29,29 @@ def probe_inputs(seed_input: str = "random_seed") -> list[grpcclient.InferInput]
     return inputs
 
 
+def coordinator_inputs() -> list[grpcclient.InferInput]:
+    """A one-token completion of "def" (the coordinator's contract)."""
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"def"], dtype=object))
+    max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([1], dtype=np.int32))
+    return [text, max_tokens]
+
+
 def probe(grpc_url: str, model: str, timeout: float, seed_input: str = "random_seed",
-          api_key: str | None = None) -> tuple[bool, str]:
+          api_key: str | None = None, coordinator: bool = False) -> tuple[bool, str]:
     """(True, "") when ``model`` answered within ``timeout`` seconds, else (False, why).
-    ``api_key``: Triton's inference key, when it has one (a probe is an inference call)."""
+    ``api_key``: Triton's inference key, when it has one (a probe is an inference call).
+    ``coordinator``: ``model`` speaks the coordinator's contract, not an engine's."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
+    inputs, outputs = (coordinator_inputs(), ["text_output"]) if coordinator else (probe_inputs(seed_input),
+                                                                                   REQUESTED_OUTPUTS)
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=timeout,
                             headers=grpc_headers(api_key))
-        client.async_stream_infer(model, probe_inputs(seed_input), enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput(name) for name in REQUESTED_OUTPUTS])
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
         while True:
             try:
                 result, error = answers.get(timeout=timeout)

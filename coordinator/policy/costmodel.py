@@ -32,13 +32,14 @@ the draft model for a forward per token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from coordinator.drafters import registry
 from coordinator.drafters.registry import DRAFT_MODEL
 from coordinator.policy.batchcost import BatchForecaster, Forecast
 from coordinator.policy.expectation import expected_tokens_per_round
+from coordinator.policy.startup_profile import DRAFT as DRAFT_ENGINE, ForwardSample
 from coordinator.rounds import Round
 
 # Before anything is measured: a draft step costs its drafter's prior
@@ -218,6 +219,13 @@ class CostModel:
         else:
             self.plain_tokens += len(round_.tokens)
         self._sample_cpu()
+
+    def observe_profile(self, samples: Iterable[ForwardSample]) -> None:
+        """The engines' forward costs timed at start-up (startup_profile.py): the batch
+        forecast's first samples, so a load not served yet is priced from the start."""
+        for sample in samples:
+            observe = self.batch.observe_draft if sample.engine == DRAFT_ENGINE else self.batch.observe_target
+            observe(sample.rows, sample.seconds)
 
     def _sample_cpu(self) -> None:
         """Feed the CPU fit the coordinator's CPU time of the interval since the last sample."""

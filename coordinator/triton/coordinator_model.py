@@ -39,7 +39,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from coordinator.decoding.generation import Chunk, RequestCancelled, generate_text
-from coordinator.engines.contract import EngineError, EngineOutput
+from coordinator.engines.contract import EngineError, EngineOutput, for_prompt
 from coordinator.engines.tensors import (
     REQUESTED_OUTPUTS,
     engine_inputs,
@@ -49,6 +49,7 @@ from coordinator.engines.tensors import (
 )
 from coordinator.policy.costmodel import CostModel
 from coordinator.policy.governor import LoadGovernor
+from coordinator.policy.startup_profile import PROMPT as PROFILE_PROMPT, profile_engines
 from coordinator.request.admission import Admission, refusal_message
 from coordinator.request.api import INPUT_NAMES
 from coordinator.request.parse import InputError, check_parameters, parse_request
@@ -69,6 +70,7 @@ DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader
 # (selfheal/) unloads the dead model to reload it, this check ends such a call
 # with an error instead of a hang.
 ENGINE_CHECK_SECONDS = 1.0
+PROFILE_POLL_SECONDS = 0.5  # how often start-up asks whether the engines have loaded
 # Each engine call in flight holds one thread while it waits for its next
 # response (a request holds up to three: target, draft, draft warm-up);
 # threads are started only when needed.
@@ -452,6 +454,7 @@ class TritonPythonModel:
         window, prior = max(1, self.settings.speculation_window), self.settings.policy.prior_acceptance
         # server-wide: does speculation pay at this load (priced by the forecast until measured)
         self.governor = LoadGovernor(forecast=lambda streams: self.costs.forecast(streams, prior, window))
+        self._profiling, self._profiled = asyncio.Lock(), False  # the engines' start-up profile (_time_engines)
         families: dict[str, object] = {}
         self.metrics = MetricsRecorder(lambda spec: _triton_instrument(families, spec), costs=self.costs,
                                        governor=self.governor)
@@ -463,7 +466,44 @@ class TritonPythonModel:
         log.info("coordinator ready: %s; tracing %s", self.settings,
                  f"to {', '.join(traced_to)}" if traced_to else "off")
 
+    async def _time_engines(self) -> None:
+        """The engines' start-up profile into the cost model (startup_profile.py),
+        once, before the first request is served: the config's warm-up request
+        (model_warmup) is that request, so Triton reports this model ready after
+        it (BLS cannot run in ``initialize``). It waits for both engines to load
+        (they load beside this model). Without it (engine_profile_seconds 0, the
+        engines not loaded in time, a failed call) requests are served unpriced."""
+        async with self._profiling:
+            if self._profiled:
+                return
+            self._profiled = True
+            wait = self.settings.engine_profile_seconds
+            if wait <= 0:
+                return
+            loop = asyncio.get_running_loop()
+            names = (self.settings.target_model_name, self.settings.draft_model_name)
+            deadline = time.monotonic() + wait
+            while not all([await loop.run_in_executor(_engine_calls, _model_ready, name) for name in names]):
+                if time.monotonic() > deadline:
+                    log.warning("engine profile skipped: %s not loaded within engine_profile_seconds (%.0f s); "
+                                "the first bursts are priced once requests have timed the engines",
+                                " and ".join(names), wait)
+                    return
+                await asyncio.sleep(PROFILE_POLL_SECONDS)
+            prompt = self.codec.encode(PROFILE_PROMPT)
+            window = max(1, self.settings.speculation_window)
+            try:
+                profile = await profile_engines(for_prompt(self.target, len(prompt)), self.draft, prompt, window)
+            except Exception as error:  # noqa: BLE001 - serving goes on without it
+                log.warning("engine profile failed (%s); the first bursts are priced once requests have timed "
+                            "the engines", error)
+                return
+            self.costs.observe_profile(profile.samples)
+            log.info("engine profile: %s", profile.describe(window))
+
     async def execute(self, requests):
+        if not self._profiled:
+            await self._time_engines()
         await asyncio.gather(*(self._serve(request) for request in requests))
         return None
 

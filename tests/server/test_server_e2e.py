@@ -5,6 +5,7 @@ Prompts are real HumanEval problems from the development range (0-99)."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import numpy as np
@@ -153,3 +154,17 @@ def test_metrics_port_serves_specdec_metrics_matching_the_responses(triton_serve
                                                                            outcome="success") == 2
     for gauge in ("specdec_speculation_window", "specdec_fallback_active", "specdec_draft_cost_ratio"):
         metric(after, gauge)
+
+
+def test_the_coordinator_timed_its_engines_before_the_server_reported_ready(triton_server):
+    """specdec-serve's first request has the coordinator time both engines
+    (coordinator/policy/startup_profile.py) before it reports ready: a first
+    burst is priced by the batch forecast, not let through blind."""
+    if not triton_server.log_path:
+        pytest.skip("an external server: its log is not here")
+    log = triton_server.log_path.read_text(errors="replace")
+    profile = re.search(r"engine profile: target ([0-9.]+) ms a forward at 1 row, ([0-9.]+) ms at (\d+) rows; "
+                        r"draft ([0-9.]+) ms a forward at 1 row", log)
+    assert profile, "no engine profile in the server's log"
+    assert profile.start() < log.index("specdec: ready")
+    assert all(float(profile.group(i)) > 0 for i in (1, 2, 4)) and int(profile.group(3)) > 1
