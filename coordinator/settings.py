@@ -64,10 +64,10 @@ class CoordinatorSettings:
     # Whether the target takes the CPU engine's prompt_length input (the prompt's
     # length with every call: coordinator/engines/contract.py); TensorRT-LLM has none.
     engine_prompt_length: bool = False
-    # Before it serves, the coordinator times its engines (coordinator/policy/startup_profile.py),
-    # so the first burst at a load is priced by the batch forecast: it waits this
-    # long for them to load (they load beside it), then serves unpriced. 0: no profile.
-    engine_profile_seconds: float = 900.0
+    # Before it serves its first request, the coordinator times its engines
+    # (coordinator/policy/startup_profile.py), so the first burst at a load is
+    # priced by the batch forecast; false: the costs are learnt from requests.
+    engine_profile: bool = True
     # Most tokens one streamed plain call may generate when the policy plans a
     # stretch of plain decoding (decoupled engines only; otherwise one per call).
     # Longer stretches save round trips; a client that cancels or hits a stop
@@ -132,9 +132,6 @@ class CoordinatorSettings:
             raise SettingsError(
                 f"draft_timeout_seconds must be a finite number >= 0 (0 = no deadline), got {self.draft_timeout_seconds}"
             )
-        if not (self.engine_profile_seconds >= 0.0 and self.engine_profile_seconds < float("inf")):
-            raise SettingsError(f"engine_profile_seconds must be a finite number >= 0 (0 = no start-up profile), "
-                                f"got {self.engine_profile_seconds}")
         if self.engine_seed_input not in SEED_INPUT_NAMES:
             raise SettingsError(
                 f"engine_seed_input must be one of {', '.join(SEED_INPUT_NAMES)}, got {self.engine_seed_input!r}"

@@ -70,7 +70,6 @@ DRAIN_SECONDS = 10.0  # longest wait for the rest of an engine stream its reader
 # (selfheal/) unloads the dead model to reload it, this check ends such a call
 # with an error instead of a hang.
 ENGINE_CHECK_SECONDS = 1.0
-PROFILE_POLL_SECONDS = 0.5  # how often start-up asks whether the engines have loaded
 # Each engine call in flight holds one thread while it waits for its next
 # response (a request holds up to three: target, draft, draft warm-up);
 # threads are started only when needed.
@@ -468,28 +467,21 @@ class TritonPythonModel:
 
     async def _time_engines(self) -> None:
         """The engines' start-up profile into the cost model (startup_profile.py),
-        once, before the first request is served: the config's warm-up request
-        (model_warmup) is that request, so Triton reports this model ready after
-        it (BLS cannot run in ``initialize``). It waits for both engines to load
-        (they load beside this model). Without it (engine_profile_seconds 0, the
-        engines not loaded in time, a failed call) requests are served unpriced."""
+        once, before the first request is served (BLS cannot run while Triton
+        loads the models; specdec-serve sends that request before it reports
+        ready). Engines not ready then, or a failed call: served unpriced, as logged."""
         async with self._profiling:
             if self._profiled:
                 return
             self._profiled = True
-            wait = self.settings.engine_profile_seconds
-            if wait <= 0:
+            if not self.settings.engine_profile:
                 return
             loop = asyncio.get_running_loop()
             names = (self.settings.target_model_name, self.settings.draft_model_name)
-            deadline = time.monotonic() + wait
-            while not all([await loop.run_in_executor(_engine_calls, _model_ready, name) for name in names]):
-                if time.monotonic() > deadline:
-                    log.warning("engine profile skipped: %s not loaded within engine_profile_seconds (%.0f s); "
-                                "the first bursts are priced once requests have timed the engines",
-                                " and ".join(names), wait)
-                    return
-                await asyncio.sleep(PROFILE_POLL_SECONDS)
+            if not all([await loop.run_in_executor(_engine_calls, _model_ready, name) for name in names]):
+                log.warning("engine profile skipped: %s not both ready; the first bursts are priced once "
+                            "requests have timed the engines", " and ".join(names))
+                return
             prompt = self.codec.encode(PROFILE_PROMPT)
             window = max(1, self.settings.speculation_window)
             try:
