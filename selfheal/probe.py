@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import queue
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from coordinator.engines.tensors import REQUESTED_OUTPUTS, engine_inputs
 from coordinator.request.access import grpc_headers
 from coordinator.sampling.params import SamplingParams
+from tools.client import build_inputs
 
 GREEDY = SamplingParams(top_k=1)
 
@@ -29,15 +29,6 @@ def probe_inputs(seed_input: str = "random_seed") -> list[grpcclient.InferInput]
     return inputs
 
 
-def coordinator_inputs() -> list[grpcclient.InferInput]:
-    """A one-token completion of "def" (the coordinator's contract)."""
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([b"def"], dtype=object))
-    max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
-    max_tokens.set_data_from_numpy(np.array([1], dtype=np.int32))
-    return [text, max_tokens]
-
-
 def probe(grpc_url: str, model: str, timeout: float, seed_input: str = "random_seed",
           api_key: str | None = None, coordinator: bool = False) -> tuple[bool, str]:
     """(True, "") when ``model`` answered within ``timeout`` seconds, else (False, why).
@@ -45,8 +36,9 @@ def probe(grpc_url: str, model: str, timeout: float, seed_input: str = "random_s
     ``coordinator``: ``model`` speaks the coordinator's contract, not an engine's."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
-    inputs, outputs = (coordinator_inputs(), ["text_output"]) if coordinator else (probe_inputs(seed_input),
-                                                                                   REQUESTED_OUTPUTS)
+    # the coordinator's: a one-token completion of "def", in one response
+    inputs, outputs = ((build_inputs("def", 1, stream=False), ["text_output"]) if coordinator
+                       else (probe_inputs(seed_input), REQUESTED_OUTPUTS))
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)), stream_timeout=timeout,
                             headers=grpc_headers(api_key))
