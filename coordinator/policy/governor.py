@@ -24,7 +24,8 @@ verdict counts as one lost try, so speculation is first explored there after
 twice ``explore_every`` epochs. Before either, a load with nothing measured is
 priced by the batch forecast (coordinator/policy/batchcost.py: the engines'
 forward costs as functions of rows, fitted at the loads seen so far), so a
-burst at a new load starts in the regime predicted faster; a forecast of
+burst at a new load starts in the regime predicted faster (fixed when its
+first request asks, so its first epoch is booked under the regime it ran); a forecast of
 plain counts as a lost try too, and the epochs then correct the forecast: at
 this load by measuring it, and at every other by calibrating each regime's
 forecast with the ratio its epochs measured against it (``predicted``). An epoch's clock stops while a prompt's
@@ -85,21 +86,42 @@ class LoadGovernor:
     epoch_errors: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=EPOCH_ERRORS_KEPT))
 
     def speculation_allowed(self, streams: int) -> bool:
-        return self._regime(load_bucket(streams), streams) == SPECULATE
+        """The regime of the load's epoch under way. A load's first verdict is fixed
+        when a request first asks and there is something to price it with: its
+        first epoch is then measured under the regime its requests were told.
+        Priced again when that epoch ended, a forecast that had moved meanwhile
+        (it learns from every round) once booked a plain epoch, all of its
+        requests held back, as speculation's, and the next epoch speculated
+        at a load where speculation lost."""
+        bucket = load_bucket(streams)
+        if bucket in self.regimes or streams <= 1:
+            return self.regimes.get(bucket, SPECULATE) == SPECULATE
+        verdict = self._priced(bucket, streams)
+        if verdict is None:  # nothing to price it with yet: speculate, and ask again next time
+            return True
+        self._start(bucket, verdict)
+        return verdict == SPECULATE
 
-    def _regime(self, bucket: int, streams: int) -> str:
-        if bucket in self.regimes:
-            return self.regimes[bucket]
+    def _start(self, bucket: int, regime: str) -> None:
+        """A load's first regime; a plain start (inherited or forecast) counts as a
+        lost try of speculation, which then waits for its turn to explore."""
+        self.regimes[bucket] = regime
+        if regime == PLAIN:
+            self._since_explore[bucket] = 0
+            self._explore_interval[bucket] = self._longer_interval(bucket)
+
+    def _priced(self, bucket: int, streams: int) -> str | None:
+        """A load's first regime: the forecast's verdict, else that of the nearest
+        lower load that measured both regimes (one that only inherited its plain
+        start has no verdict of its own); None with neither."""
         forecast = self._forecast(streams)
         if forecast is not None:
             return self._forecast_verdict(forecast)
-        # the verdict of the nearest lower load that measured both regimes (one that
-        # only inherited its plain start has no verdict of its own)
         for lower in range(bucket - 1, -1, -1):
             verdict = self._measured_faster(lower)
             if verdict is not None:
                 return verdict
-        return SPECULATE
+        return None
 
     def predicted(self, streams: int) -> Forecast | None:
         """The batch forecast at ``streams`` streams, each regime calibrated by its epochs so far."""
@@ -188,11 +210,8 @@ class LoadGovernor:
         elapsed = self._counted + now - self._resumed
         if elapsed < self.epoch_seconds:
             return
-        if bucket not in self.regimes:
-            self.regimes[bucket] = self._regime(bucket, streams)
-            if self.regimes[bucket] == PLAIN:  # inherited or forecast: speculation waits for its turn to explore
-                self._since_explore[bucket] = 0
-                self._explore_interval[bucket] = self._longer_interval(bucket)
+        if bucket not in self.regimes:  # nothing priced this load while its requests asked: they speculated
+            self._start(bucket, SPECULATE)
         regime = self.regimes[bucket]
         rate = self._tokens / elapsed
         self._calibrate(streams, regime, rate)
@@ -228,7 +247,7 @@ class LoadGovernor:
                         f"against speculation's {forecast.speculative:.2f} at {forecast.streams} streams "
                         f"(not measured at this load yet)")
             if forecast.speculative >= forecast.plain:  # plain all the same: say why
-                measured += ("; the load started plain when its first epoch ended, and "
+                measured += ("; the load started plain when it was first priced, and "
                              "speculation is tried in its turn" if bucket in self.regimes else
                              f"; until its epochs have calibrated the forecast, speculation must be predicted "
                              f"{UNCALIBRATED_MARGIN:.0%} faster")

@@ -172,7 +172,7 @@ def test_epochs_calibrate_the_forecast_at_loads_not_measured_yet():
 
     clock = [0.0]
     governor = LoadGovernor(epoch_seconds=10.0, clock=lambda: clock[0], forecast=raw)
-    assert governor.speculation_allowed(8) and governor.predicted(8) == raw(8)
+    assert LoadGovernor(forecast=raw).speculation_allowed(8) and governor.predicted(8) == raw(8)  # before any epoch
     governor.emitted(0, 2)
     measured = {SPECULATE: 6.0, PLAIN: 10.0}  # at 2 streams: speculation 0.5x, plain 1.0x its forecast
     for _ in range(6):
@@ -269,17 +269,18 @@ def test_the_cost_model_samples_the_coordinators_cpu_once_a_second_against_the_r
 
 
 def test_a_held_back_request_is_told_why_when_the_forecast_now_favours_speculation():
-    """The load started plain on the forecast when its first epoch ended; the forecast has
+    """The load started plain on the forecast when its first request asked; the forecast has
     since moved (more forwards timed), but the regime waits for speculation's turn."""
     prices = {PLAIN: 10.0, SPECULATE: 8.0}
     clock = [0.0]
     governor = LoadGovernor(epoch_seconds=10.0, clock=lambda: clock[0], forecast=lambda streams: Forecast(
         streams, plain=prices[PLAIN], speculative=prices[SPECULATE], window=4, plain_step=0.2))
+    assert not governor.speculation_allowed(2)
     governor.emitted(0, 2)
     for _ in range(10):
         clock[0] += 1.0
         governor.emitted(10.0, 2)
     prices[SPECULATE] = 13.0  # 30 % faster now
     assert not governor.speculation_allowed(2)
-    assert governor.why_plain(2).endswith("; the load started plain when its first epoch ended, "
+    assert governor.why_plain(2).endswith("; the load started plain when it was first priced, "
                                           "and speculation is tried in its turn")

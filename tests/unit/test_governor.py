@@ -235,3 +235,33 @@ def test_a_regime_that_takes_the_lead_runs_its_full_wait_before_the_other_is_tri
     seen = regimes_over(governor, clock, {SPECULATE: 6.0, PLAIN: 2.0}, streams=4, epochs=14)
     first_lead = seen.index(SPECULATE)
     assert first_lead <= 4 and seen[first_lead:first_lead + 10] == [SPECULATE] * 10
+
+
+def test_an_epoch_is_booked_under_the_regime_its_requests_were_told_though_the_forecast_moved_meanwhile():
+    """The forecast learns from every round: one that priced plain decoding faster when
+    a burst's requests asked, then speculation 30 % faster by the time the epoch ended,
+    once booked that held-back epoch as speculation's, and the next one speculated."""
+    from coordinator.policy.batchcost import Forecast
+
+    prices = {PLAIN: 10.0, SPECULATE: 8.0}
+    clock, governor = governed(4, forecast=lambda streams: Forecast(
+        streams, plain=prices[PLAIN], speculative=prices[SPECULATE], window=4, plain_step=0.2))
+    assert not governor.speculation_allowed(4)  # the burst's requests are held back
+    prices[SPECULATE] = 13.0
+    run_epoch(governor, clock, 10.0, 4)
+    assert governor.rates.get((governor._bucket, SPECULATE)) is None
+    assert governor.rates[(governor._bucket, PLAIN)].samples == 1
+    assert not governor.speculation_allowed(4)  # plain stays until speculation's turn to explore
+    run_epoch(governor, clock, 10.0, 4)
+    assert not governor.speculation_allowed(4)
+
+
+def test_a_load_with_nothing_to_price_it_speculates_and_is_priced_once_it_can_be():
+    forecast = [None]
+    clock, governor = governed(2, forecast=lambda streams: forecast[0])
+    assert governor.speculation_allowed(2)  # blind: nothing timed yet
+    from coordinator.policy.batchcost import Forecast
+    forecast[0] = Forecast(2, plain=10.0, speculative=8.0, window=4, plain_step=0.2)
+    assert not governor.speculation_allowed(2)  # the profile arrived: priced now, and fixed
+    forecast[0] = Forecast(2, plain=10.0, speculative=13.0, window=4, plain_step=0.2)
+    assert not governor.speculation_allowed(2)
