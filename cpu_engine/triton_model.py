@@ -79,6 +79,7 @@ class TritonPythonModel:
         self._streamed: dict[int, int] = {}  # call id -> tokens already streamed
         self._wake = threading.Condition()
         self._incoming: list[tuple[object, EngineRequest, bool]] = []
+        self._arrivals = 0  # calls queued since start: which came after a forward's answers
         self._stopping = False
         self._gauges = _engine_gauges(self.name)
         # The engine is built on the thread that runs its forwards (_engine_thread),
@@ -123,6 +124,7 @@ class TritonPythonModel:
     def _queue(self, sender, engine_request, streaming) -> None:
         with self._wake:
             self._incoming.append((sender, engine_request, streaming))
+            self._arrivals += 1
             self._wake.notify()
 
     def _engine_thread(self, settings: dict, built: queue.SimpleQueue) -> None:
@@ -152,6 +154,7 @@ class TritonPythonModel:
         """The engine thread: admit queued calls, run one forward, answer finished calls."""
         self.engine.bind_thread()
         returning = 0  # calls answered by the last forward: their requests' next calls are on the way
+        answered = 0  # calls queued when they were answered
         forward_seconds = 0.0
         while True:
             with self._wake:
@@ -159,8 +162,11 @@ class TritonPythonModel:
                     self._wake.wait()
                 # Let the streams just answered come back before the next forward:
                 # a call that misses a forward waits a whole forward for the next.
+                # Only calls queued after the answers count: new requests that came
+                # during the forward are no one's next call (counted, a burst's first
+                # request lost a whole prefill forward after its one-token first call).
                 deadline = time.monotonic() + join_wait(forward_seconds)
-                while len(self._incoming) < returning and not self._stopping:
+                while self._arrivals - answered < returning and not self._stopping:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -184,6 +190,8 @@ class TritonPythonModel:
                     log.exception("%s: engine step failed", self.name)
                     done = self.engine.fail_all(error)
                 forward_seconds = time.monotonic() - started
+            with self._wake:
+                answered = self._arrivals
             for call in done:
                 self._answer(call)
             returning = len(done)

@@ -154,3 +154,63 @@ def test_the_engine_loads_and_measures_the_machine_holding_the_cores_lock(adapte
         assert not cores_held()  # and lets them go once built
     finally:
         model.finalize()
+
+
+class BatchingEngine(FakeEngine):
+    """Every forward runs the calls submitted before it and answers them all; the
+    first forward waits until the test lets it end."""
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self.forwards, self.waiting, self.batches = 0, [], []
+        self.first_forward_may_end = threading.Event()
+        self.in_first_forward = threading.Event()
+        self.last_forward = (0, 0)
+
+    def submit(self, request, on_tokens=None):
+        self.waiting.append(request)
+        return request
+
+    def pending(self):
+        return len(self.waiting)
+
+    def step(self):
+        batch, self.waiting = self.waiting, []
+        self.batches.append(batch)
+        self.forwards += 1
+        if self.forwards == 1:
+            self.in_first_forward.set()
+            self.first_forward_may_end.wait(10)
+        return batch
+
+    def result(self, call):
+        return types.SimpleNamespace(tokens=[1], logits=None, log_probs=None)
+
+
+def test_a_call_answered_by_a_forward_joins_the_next_one_though_a_new_request_came_meanwhile(adapter, monkeypatch):
+    """A burst's first request asks for one token, then for more: its next call comes a
+    BLS round trip after the answer. The engine holds the next forward for it; a new
+    request queued during the forward is no one's next call, and once counted as one,
+    the first request lost a whole prefill forward."""
+    monkeypatch.setattr(adapter, "CausalLMEngine", BatchingEngine)
+    monkeypatch.setattr(adapter, "join_wait", lambda forward_seconds: 5.0)  # ample: the test sets the order
+    model = adapter.TritonPythonModel()
+    model.initialize(ARGS)
+    answered = threading.Event()
+    monkeypatch.setattr(adapter, "_send", lambda sender, *args, **kwargs: answered.set())
+    monkeypatch.setattr(adapter.pb_utils, "TRITONSERVER_RESPONSE_COMPLETE_FINAL", 1, raising=False)
+    try:
+        model._queue(sender="first", engine_request="first call", streaming=False)
+        assert model.engine.in_first_forward.wait(10)
+        model._queue(sender="new", engine_request="new request", streaming=False)
+        model.engine.first_forward_may_end.set()
+        assert answered.wait(10)
+        threading.Event().wait(0.05)  # a round trip later
+        model._queue(sender="first", engine_request="first's next call", streaming=False)
+        for _ in range(500):
+            if len(model.engine.batches) >= 2:
+                break
+            threading.Event().wait(0.01)
+        assert model.engine.batches[:2] == [["first call"], ["new request", "first's next call"]]
+    finally:
+        model.finalize()
