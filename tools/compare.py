@@ -28,6 +28,7 @@ import datetime
 import math
 import os
 import platform
+import secrets
 import statistics
 import sys
 import threading
@@ -58,6 +59,9 @@ DRAFTER_MODES = ("draft_model", "prompt_lookup")
 HUMANEVAL, COPY = "humaneval", "copy"
 # The transformers peers run in each (a library user takes the fastest; ``fastest_peer``).
 PEER_DTYPES = ("float32", "bfloat16")
+# Each run's prompts carry an id of their own: a second run against the same
+# (warm) server then pays its prompts' prefill too, as a new user's requests do.
+RUN_ID = secrets.token_hex(3)
 
 
 @dataclass
@@ -347,7 +351,7 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
             for step, prompt in enumerate(prompts):
                 turned = list(modes[step % len(modes):]) + list(modes[:step % len(modes)])
                 for mode in turned:
-                    text = f"# {mode} {length} 1.{step}\n{prompt.text}"
+                    text = f"# {mode} {length} 1.{step} {RUN_ID}\n{prompt.text}"
                     before = _forward_time(metrics_url)
                     stolen, started = host_steal_seconds(), time.perf_counter()
                     completion = stream_completion(client, server_inputs(mode, text, max_tokens, fixed_window))
@@ -745,9 +749,10 @@ def main(argv: list[str] | None = None) -> int:
             for mode in server_modes:
                 if args.warmup_seconds > 0:  # the same load, unmeasured
                     run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
-                               shortest, tag=f"warm-up {mode} {shortest} {concurrency}", seconds=args.warmup_seconds)
+                               shortest, tag=f"warm-up {mode} {shortest} {concurrency} {RUN_ID}",
+                               seconds=args.warmup_seconds)
                 m = run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
-                               shortest, tag=f"{mode} {shortest} {concurrency}")
+                               shortest, tag=f"{mode} {shortest} {concurrency} {RUN_ID}")
                 measurements.append(m)
                 progress(_progress_line(m))
         after_loads = _metrics_text(args.metrics_url)
