@@ -87,6 +87,11 @@ class ForwardFit:
     rows_squared: float = 0.0
     rows_seconds: float = 0.0
     samples: int = 0
+    # The per-row cost of the last fit whose row counts were spread enough. Serving
+    # one load for a while (one stream decoding plainly: 1 row a forward, hundreds
+    # of times) decays the other row counts away, start-up profile's included, and
+    # without it the forecast went blank until a verification was timed again.
+    slope: float | None = None
 
     def add(self, rows: float, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
@@ -98,9 +103,21 @@ class ForwardFit:
         self.rows_squared = d * self.rows_squared + rows * rows
         self.rows_seconds = d * self.rows_seconds + rows * seconds
         self.samples += 1
+        fitted = self._least_squares()
+        if fitted is not None:
+            self.slope = fitted[1]
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed, per_row); None before two row counts far enough apart were seen."""
+        """(fixed, per_row); None before two row counts far enough apart were seen.
+        Where the recent samples share one row count, the last spread fit's slope
+        through their mean: the level follows the machine, the slope is the last known."""
+        fitted = self._least_squares()
+        if fitted is not None or self.slope is None:
+            return fitted
+        mean_rows, mean_seconds = self.mean()
+        return max(mean_seconds - self.slope * mean_rows, 0.0), self.slope
+
+    def _least_squares(self) -> tuple[float, float] | None:
         if self.weight <= 0:
             return None
         mean_rows = self.rows / self.weight

@@ -44,6 +44,18 @@ def test_one_row_count_is_no_line_and_noise_never_gives_a_negative_slope_or_fixe
     assert fixed == 0.0 and per_row > 0
 
 
+def test_a_long_run_at_one_row_count_keeps_the_last_slope_and_follows_the_level():
+    """One stream decoding plainly for a while: hundreds of 1-row forwards decay the
+    start-up profile's 9-row forward away. The forecast needs a line all the same."""
+    fit = fitted(line(0.130, 0.001), [1, 9, 1] + [1] * 2000)
+    assert fit._least_squares() is None  # the rows' spread is gone
+    for _ in range(2000):
+        fit.add(1, 0.120)  # the machine a little faster meanwhile
+    fixed, per_row = fit.line()
+    assert math.isclose(per_row, 0.001, rel_tol=1e-6) and math.isclose(fixed + per_row, 0.120, rel_tol=1e-3)
+    assert math.isclose(fit.predict(9), 0.128, rel_tol=1e-3)
+
+
 def test_recent_forwards_outweigh_old_ones():
     fit = fitted(line(0.2, 0.05), [1, 4] * 50)
     for _ in range(400):  # the machine got twice as fast
