@@ -252,6 +252,11 @@ class CostModel:
         self.accepted.setdefault(drafter, MovingAverage()).add(accepted)
         self.trials.setdefault(drafter, MovingAverage()).add(accepted + int(rejected))
 
+    def acceptance_rounds(self, drafter: str = DRAFT_MODEL) -> int:
+        """Rounds the server-wide acceptance of ``drafter`` rests on."""
+        trials = self.trials.get(drafter)
+        return 0 if trials is None else trials.samples
+
     def server_acceptance(self, default: float, drafter: str = DRAFT_MODEL) -> float:
         trials = self.trials.get(drafter)
         if trials is None or not trials.value:

@@ -28,7 +28,10 @@ The rule, round by round (``window()`` before a round, ``record*()`` after):
    probes every ``probe_interval`` plain rounds with the window predicted to
    do best, so the estimate that stopped it is measured again; it resumes as
    soon as a window is predicted to pay (no back-off: the draft is not the
-   problem). Without ``adaptive`` the window is ``max_window``.
+   problem). Not on thin evidence: while the request has drafted fewer than
+   ``min_evidence`` tokens and the server's estimate rests on fewer than
+   ``min_evidence`` rounds (a fresh server), it drafts the window predicted
+   to do best. Without ``adaptive`` the window is ``max_window``.
 4. A failing draft engine switches the request to plain decoding for good
    (no probes): the request completes on the target alone.
 5. The first round is a plain target step (``first_round_plain``): the
@@ -193,6 +196,8 @@ class SpeculationPolicy:
                 self._free_refusals = 0
             return k, speedup
         if not free:
+            if self._thin_evidence(drafter):
+                return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
             self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
             return 0, 1.0
         self._free_refusals += 1
@@ -200,6 +205,16 @@ class SpeculationPolicy:
                 or self._free_refusals % self.settings.probe_interval == 0):  # measure the estimate that refuses it
             return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
         return 0, 1.0
+
+    def _thin_evidence(self, drafter: str) -> bool:
+        """Whether the acceptance that prices ``drafter`` rests on too little to stop it:
+        fewer than ``min_evidence`` drafted tokens of the request's own while the server's
+        estimate has fewer than ``min_evidence`` rounds behind it. A fresh server's first
+        request, one drafted token rejected, took the server's estimate to 0 and its own
+        near it, stopped, and spent its 64 tokens probing one token at a time (1.17x
+        plain at one stream where the next requests served 1.7x)."""
+        return (self._drafted(drafter) < self.settings.min_evidence
+                and self.costs.acceptance_rounds(drafter) < self.settings.min_evidence)
 
     def catch_up_pays(self, context: int, remaining: int) -> bool:
         """Whether the draft model catching up on ``context`` tokens (its prompt

@@ -168,6 +168,31 @@ def test_adaptive_goes_plain_when_nothing_pays_and_resumes_after_a_good_probe():
     assert policy.mode is Mode.SPECULATING and policy.window() > 0
 
 
+def test_a_fresh_servers_first_rejected_token_does_not_stop_its_request():
+    """One drafted token rejected is the whole of a fresh server's evidence: it took the
+    server's estimate to 0, and the request stopped and probed one token at a time for
+    the rest of its tokens. It drafts on until it has ``min_evidence`` tokens of its own."""
+    policy = SpeculationPolicy(6, 0.0, costs=measured_costs(draft=0.3), first_round_plain=False)
+    assert policy.window() == 1  # the prior (0.5) pays for one token here
+    play(policy, 1, 0)
+    assert policy.costs.server_acceptance(0.5) == 0.0
+    drafted = 1
+    while drafted < policy.settings.min_evidence:
+        k = policy.window()
+        assert k >= 1 and policy.mode is Mode.SPECULATING
+        play(policy, k, 0)
+        drafted += k
+    assert policy.window() == 0 and policy.mode is Mode.UNPROFITABLE  # its own evidence now says so
+
+
+def test_a_request_stops_on_one_rejection_where_the_server_has_measured_the_draft():
+    costs = measured_costs(draft=0.3)
+    for _ in range(8):
+        costs.observe_acceptance(0, rejected=True)
+    policy = SpeculationPolicy(6, 0.0, costs=costs, first_round_plain=False)
+    assert policy.window() == 0 and policy.mode is Mode.UNPROFITABLE
+
+
 def test_costs_measured_at_long_contexts_do_not_change_a_short_requests_decision():
     """The same request decides the same whatever ran before it: timings are
     kept per context bucket, and a bucket with nothing measured starts from
