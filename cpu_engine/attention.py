@@ -190,7 +190,8 @@ def prompt_blocks_agree(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                         max_length: int) -> bool:
     """Whether a prompt block's rows come out of ``attend_prompt_blocks`` bitwise
     the same whatever its other rows hold (a block the forward carries in part has
-    them zero), at block ends up to ``max_length``."""
+    them zero, and a prompt's padded rest has no keys past its rows yet), at block
+    ends up to ``max_length``."""
     generator = torch.Generator().manual_seed(0)
     for length in range(block, max_length + 1, max(block, max_length // 8 // block * block)):
         query = torch.randn(1, heads, block, dim, generator=generator).to(dtype)
@@ -200,6 +201,12 @@ def prompt_blocks_agree(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
         for carried in (1, block // 2 + 3):
             part = attend_prompt_blocks(query[:, :, -carried:], key, value, length - carried, 1.0, block)
             if not torch.equal(part, whole[:, -carried:]):
+                return False
+            # a prompt's padded rest: the block's first rows, no keys past them yet
+            known = length - block + carried
+            part = attend_prompt_blocks(query[:, :, :carried], key[:, :, :known], value[:, :, :known],
+                                        length - block, 1.0, block)
+            if not torch.equal(part, whole[:, :carried]):
                 return False
     return True
 

@@ -193,15 +193,17 @@ class CausalLMEngine:
         # Where every forward keeps the shape, a prompt's leading blocks may go through
         # larger calls, measured here (cpu_engine/prompt_blocks.py); a prompt block
         # must fit one forward.
-        block = None
+        chosen = None
         if self.invariance == "always" and measured.fixed is None:
-            block = measure_prompt_block(self.model, measured.block, prompt_block)
-            if block is not None and block > max_num_tokens:
-                log.info("prompt block: none (%d rows do not fit max_num_tokens %d)", block, max_num_tokens)
-                block = None
+            chosen = measure_prompt_block(self.model, measured.block, prompt_block)
+            if chosen is not None and chosen.rows > max_num_tokens:
+                log.info("prompt block: none (%d rows do not fit max_num_tokens %d)", chosen.rows, max_num_tokens)
+                chosen = None
+        block = chosen.rows if chosen else None
         # A forward carries up to max_num_tokens rows; its linear layers run in
         # blocks of the measured shape (cpu_engine/row_blocks.py).
-        self.row_shape = replace(measured, forward_rows=max_num_tokens, prompt_block=block)
+        self.row_shape = replace(measured, forward_rows=max_num_tokens, prompt_block=block,
+                                 prompt_padded_from=chosen.padded_from if chosen else None)
         if self.invariance != "never":  # no forward is shaped: the layers stay as they are
             block_linear_layers(self.model)
         # How many attention blocks of one key length one matmul computes, where that
@@ -239,7 +241,8 @@ class CausalLMEngine:
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
-        path = prompt_path(request.prompt_length, input_ids.size, self.row_shape.prompt_block)
+        path = prompt_path(request.prompt_length, input_ids.size, self.row_shape.prompt_block,
+                           self.row_shape.prompt_padded_from)
         sequence, reused = self.pool.take(input_ids, path)
         if sequence is None:
             sequence = attention.SequenceKV(self.layers)

@@ -73,6 +73,16 @@ def test_rows_marked_as_a_prompts_blocks_go_through_calls_of_the_prompt_block():
     marked = torch.nn.functional.pad(rows[0, 19:23], (0, 0, 0, 12))
     assert torch.equal(out[0, 19:23], inner(marked)[:4])  # as a 16-row call computes them
     assert torch.equal(out[0, :3], inner(rows[0, :3])) and torch.equal(out[0, 23:], inner(rows[0, 23:]))
+    for first, marked_first in ((20, True), (7, False)):  # one run of each: the outputs in one copy
+        mask = torch.tensor([marked_first] * first + [not marked_first] * (27 - first))
+        inner.calls.clear()
+        with shaping(shape), prompt_rows(mask):
+            out = layer(rows)
+        marked = rows[0, mask]
+        in_calls = [marked[i : i + 16] for i in range(0, len(marked), 16)]
+        blocks = torch.cat([inner(torch.nn.functional.pad(part, (0, 0, 0, 16 - len(part))))[: len(part)]
+                            for part in in_calls])
+        assert torch.equal(out[0, mask], blocks) and torch.equal(out[0, ~mask], inner(rows[0, ~mask]))
     inner.calls.clear()
     with shaping(shape), prompt_rows(torch.tensor([True] + [False] * 4 + [True] * 3)):
         layer(rows[:, :8])
