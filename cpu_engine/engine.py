@@ -35,7 +35,7 @@ from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
 from cpu_engine.quantize import check_scheme, choose_dense_rows, quantize_linear_layers
 from cpu_engine.prompt_blocks import measure_prompt_block, prompt_path
-from cpu_engine.row_blocks import block_linear_layers, prompt_rows, shaping
+from cpu_engine.row_blocks import block_linear_layers, merged_runs, prompt_rows, shaping
 from cpu_engine.rows import MAX_BLOCK_ROWS, RowShape, measure_row_shape
 from cpu_engine.scheduler import Call, Scheduler, Work
 
@@ -178,7 +178,8 @@ class CausalLMEngine:
         # An entry of the same sequence goes on past its next call by the drafts
         # a verification fed and rejected at most (a plain stretch by none).
         self.pool = PrefixCachePool(max_cached_sequences, tail=max_draft_len,
-                                    copy_prefix=lambda sequence, length: sequence.prefix(length))
+                                    copy_prefix=lambda sequence, length: sequence.prefix(length),
+                                    path_agreement=self._path_agreement)
         # The target's rows must not depend on their batch-mates (lossless greedy
         # speculation): every forward keeps the measured row shape. The draft only
         # proposes: its invariance buys only a seeded sampled request's repeatable
@@ -199,11 +200,11 @@ class CausalLMEngine:
             if chosen is not None and chosen.rows > max_num_tokens:
                 log.info("prompt block: none (%d rows do not fit max_num_tokens %d)", chosen.rows, max_num_tokens)
                 chosen = None
+        self.prompt_block = chosen
         block = chosen.rows if chosen else None
         # A forward carries up to max_num_tokens rows; its linear layers run in
         # blocks of the measured shape (cpu_engine/row_blocks.py).
-        self.row_shape = replace(measured, forward_rows=max_num_tokens, prompt_block=block,
-                                 prompt_padded_from=chosen.padded_from if chosen else None)
+        self.row_shape = replace(measured, forward_rows=max_num_tokens, prompt_block=block)
         if self.invariance != "never":  # no forward is shaped: the layers stay as they are
             block_linear_layers(self.model)
         # How many attention blocks of one key length one matmul computes, where that
@@ -230,6 +231,10 @@ class CausalLMEngine:
         self.forwards = 0  # forward passes run so far
         release_free_heap()
 
+    def _path_agreement(self, one: int, other: int) -> int:
+        """How many leading positions two prompt paths compute alike (the pool's rule)."""
+        return self.prompt_block.agreement(one, other) if self.prompt_block else min(one, other)
+
     def bind_thread(self) -> None:
         """Use ``num_threads`` threads for the calling thread's forwards (OpenMP's
         setting is per thread: the thread that runs the forwards must call this)."""
@@ -241,8 +246,7 @@ class CausalLMEngine:
         input_ids = np.asarray(request.input_ids, dtype=np.int64).reshape(-1)
         drafts = [] if request.draft_tokens is None else [int(t) for t in np.asarray(request.draft_tokens).reshape(-1)]
         self._check(request, input_ids, drafts)
-        path = prompt_path(request.prompt_length, input_ids.size, self.row_shape.prompt_block,
-                           self.row_shape.prompt_padded_from)
+        path = prompt_path(request.prompt_length, input_ids.size, self.prompt_block)
         sequence, reused = self.pool.take(input_ids, path)
         if sequence is None:
             sequence = attention.SequenceKV(self.layers)
@@ -321,6 +325,16 @@ class CausalLMEngine:
                     f"(draft tokens x vocabulary), got {list(shape)}"
                 )
 
+    def _prompt_runs(self, path: int, cached: int, start: int, rows: int) -> list[tuple[int | None, int, int]]:
+        """A work's ``rows`` prompt-path rows (positions ``cached``..) from forward row
+        ``start``, cut where the size of the call that computes them changes."""
+        if not rows:
+            return []
+        whole = path // self.prompt_block.rows * self.prompt_block.rows
+        in_whole = max(0, min(rows, whole - cached))
+        return [(self.prompt_block.rows, start, start + in_whole),
+                (self.prompt_block.call_of(path, whole), start + in_whole, start + rows)]
+
     def _forward(self, works: list[Work]) -> list[np.ndarray | None]:
         """One packed forward over the works' rows (padded to the row shape);
         the logits rows of the works that want them."""
@@ -328,7 +342,7 @@ class CausalLMEngine:
         positions: list[int] = []
         segments: list[attention.Segment] = []
         wanted: list[int] = []
-        marked: list[int] = []  # rows of a prompt's leading blocks (cpu_engine/prompt_blocks.py)
+        runs: list[tuple[int | None, int, int]] = []  # (call size, start, stop): see row_blocks.prompt_rows
         earlier: dict[int, int] = {}  # rows of this forward already given to a sequence (its prefill's last chunk)
         for work in works:
             key = id(work.call.sequence)
@@ -340,7 +354,8 @@ class CausalLMEngine:
             segments.append(attention.Segment(start, len(ids), work.call.sequence, in_blocks))
             if work.logits:
                 wanted += range(start, len(ids))
-            marked += range(start, start + in_blocks)
+            runs += self._prompt_runs(work.call.prompt_path, cached, start, in_blocks)
+            runs.append((None, start + in_blocks, len(ids)))
         real = len(ids)
         shaped = self.invariance == "always" or (self.invariance == "sampled"
                                                  and any(not work.call.sampling.greedy for work in works))
@@ -352,13 +367,11 @@ class CausalLMEngine:
         self.last_forward = (len({id(work.call) for work in works}), real)
         self.last_forward_rows = total  # as computed, padding included
         self.forwards += 1
-        mask = None
-        if shaped and marked:
-            mask = torch.zeros(total, dtype=torch.bool)
-            mask[marked] = True
+        runs.append((None, real, total))
+        marked = shaped and any(size for size, _, _ in runs)
         block = self.row_shape.prompt_block if shaped and self.prompt_attention else 0
         with attention.packed(segments, self.attention_stack, block), shaping(self.row_shape if shaped else None):
-            with prompt_rows(mask):
+            with prompt_rows(merged_runs(runs) if marked else None):
                 hidden = self.model.model(
                     input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]),
                     attention_mask=_NO_MASKS, use_cache=False,

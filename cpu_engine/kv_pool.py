@@ -17,8 +17,9 @@ whole prompt again, as TensorRT-LLM's block reuse never makes a sequence do.
 
 Each entry also records its ``prompt_path``: how many leading positions were
 computed through the prompt's kernel calls (cpu_engine/prompt_blocks.py). A
-call whose path differs reuses no position past the shorter of the two paths:
-from there the entry's keys and values are not the ones the call computes.
+call whose path differs reuses no position past where the two paths compute
+alike (``path_agreement``; by default the shorter path's end): from there the
+entry's keys and values are not the ones the call computes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 
 class PrefixCachePool:
     def __init__(self, capacity: int, tail: int | None = None,
-                 copy_prefix: Callable[[Any, int], Any] | None = None):
+                 copy_prefix: Callable[[Any, int], Any] | None = None,
+                 path_agreement: Callable[[int, int], int] = min):
         """``tail``: the most tokens an entry of the same sequence holds past what its
         next call shares (the drafts a verification rejects); None: every entry is taken."""
         if capacity < 0:
@@ -43,6 +45,7 @@ class PrefixCachePool:
         self.capacity = capacity
         self.tail = tail
         self.copy_prefix = copy_prefix
+        self.path_agreement = path_agreement
         self._entries: OrderedDict[int, tuple[np.ndarray, Any, int]] = OrderedDict()
         self._keys = count()
 
@@ -73,7 +76,7 @@ class PrefixCachePool:
         for key, (cached, _, path) in self._entries.items():
             shared = common_prefix(cached, tokens)
             if path != prompt_path:
-                shared = min(shared, path, prompt_path)
+                shared = min(shared, self.path_agreement(path, prompt_path))
             if shared > best_len:
                 best_key, best_len = key, shared
         if best_key is None:

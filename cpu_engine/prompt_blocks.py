@@ -11,10 +11,13 @@ So a position has one of two paths, fixed by the request alone: the prompt's
 leading whole blocks of ``prompt_block`` rows (``prompt_path``) go through
 ``prompt_block``-row calls, everything else (the rest of the prompt, generated
 tokens, drafts, every logits row) through the small calls. The prompt's rest
-past its whole blocks joins them, as one more call padded to the block, where
-it is long enough (``padded_from`` rows) that the padded call costs less than
-its rows in small calls: on that machine a 101-row rest took 188 ms in
-32-row calls and 121 ms padded to one 128-row call. Plain decoding and
+past its whole blocks goes through one more call, padded, of the size (a
+multiple of REST_STEP up to the block, each measured row-invariant too) that
+costs least, where that costs less than its rows in small calls: on that
+machine, with 256-row blocks, a 101-row rest took 247 ms in 32-row calls and
+173 ms padded to one 128-row call. The rest's size is fixed by its length, so
+a path is still one number, its end (``PromptBlock.agreement`` says how far two
+paths compute their positions alike). Plain decoding and
 speculation then compute every position the same way, and greedy speculation
 stays byte-identical to plain decoding. The prompt's length is the engine
 input ``prompt_length``, which the coordinator sends (the engine cannot tell a
@@ -32,7 +35,6 @@ several places in its call.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -45,6 +47,7 @@ from cpu_engine.timing import fastest_times
 log = logging.getLogger(__name__)
 
 CANDIDATES = (128, 256)
+REST_STEP = 64  # the sizes a prompt's rest may be padded to: multiples of this up to the block
 SETTINGS = ("auto", "none") + tuple(str(size) for size in CANDIDATES)  # the engine's prompt_block parameter
 # A size is kept only if its rows cost at most this share of the small calls'
 # (the choice changes how a prompt rounds, so a near-tie must not flip it).
@@ -57,35 +60,50 @@ _OFFSETS = (1 / 128, 7 / 128, 67 / 128)
 
 @dataclass(frozen=True)
 class PromptBlock:
-    """``rows``: the size of a prompt block's calls; ``padded_from``: the fewest
-    rows of a prompt's rest past its whole blocks that go through one more such
-    call, padded (None: never)."""
+    """``rows``: the size of a prompt block's calls; ``rest_sizes``: the sizes a
+    prompt's rest past its whole blocks may be padded to, each with its seconds a
+    row; ``small``: seconds a row in the small calls."""
 
     rows: int
-    padded_from: int | None = None
+    rest_sizes: tuple[tuple[int, float], ...] = ()
+    small: float = 0.0
+
+    def rest_call(self, rest: int) -> int | None:
+        """The size a ``rest``-row rest is padded to (None: it goes through the small calls)."""
+        fits = [(size * per_row, size) for size, per_row in self.rest_sizes if size >= rest]
+        if not rest or not fits:
+            return None
+        cost, size = min(fits)
+        return size if cost < rest * self.small else None
+
+    def call_of(self, path: int, position: int) -> int:
+        """The size of the call that computes ``position`` (below ``path``, the end of a prompt path)."""
+        whole = path // self.rows * self.rows
+        return self.rows if position < whole else self.rest_call(path - whole)
+
+    def agreement(self, one: int, other: int) -> int:
+        """How many leading positions two prompt paths (their ends) compute alike."""
+        whole, whole_other = one // self.rows * self.rows, other // self.rows * self.rows
+        if whole == whole_other and self.rest_call(one - whole) == self.rest_call(other - whole):
+            return min(one, other)
+        return min(whole, whole_other)
 
     def describe(self) -> str:
-        rest = f", a prompt's rest of {self.padded_from} rows or more padded to one" if self.padded_from else ""
+        least = next((rest for rest in range(1, self.rows) if self.rest_call(rest)), None)
+        rest = (f", a prompt's rest of {least} rows or more padded to one call of "
+                f"{'/'.join(str(size) for size, _ in self.rest_sizes)} rows") if least else ""
         return f"{self.rows} rows{rest}"
 
 
-def prompt_path(prompt_length: int | None, input_length: int, block: int | None,
-                padded_from: int | None = None) -> int:
-    """How many leading positions of a call's input go through ``block``-row calls:
-    the prompt's whole blocks, and its rest where that has at least ``padded_from``
-    rows, short of its last token (a decode row, like every row whose logits are read)."""
-    if not block or not prompt_length:
+def prompt_path(prompt_length: int | None, input_length: int, block: PromptBlock | None) -> int:
+    """How many leading positions of a call's input go through the prompt's calls:
+    its whole blocks, and its rest where a padded call pays (``PromptBlock.rest_call``),
+    short of its last token (a decode row, like every row whose logits are read)."""
+    if block is None or not prompt_length:
         return 0
     rows = min(prompt_length, input_length) - 1
-    whole = rows // block * block
-    return rows if padded_from is not None and rows - whole >= padded_from else whole
-
-
-def padded_from(block: int, mine: float, theirs: float) -> int | None:
-    """The fewest rows for which one ``block``-row call (``mine`` seconds a row) costs
-    less than the rows in small calls (``theirs`` seconds a row)."""
-    least = math.floor(block * mine / theirs) + 1
-    return least if least < block else None
+    whole = rows // block.rows * block.rows
+    return rows if block.rest_call(rows - whole) else whole
 
 
 def block_agrees(multiply, width: int, size: int, dtype: torch.dtype, generator: torch.Generator) -> bool:
@@ -140,12 +158,23 @@ def measure_prompt_block(model: nn.Module, small: int, setting: str = "auto") ->
     best = min(costs, key=lambda size: costs[size][0], default=None)
     if setting == "auto" and best is not None and costs[best][0] > KEEP_SHARE * costs[best][1]:
         best = None
-    chosen = None if best is None else PromptBlock(best, padded_from(best, *costs[best]))
+    chosen = None if best is None else _with_rest_sizes(best, costs[best], shapes, small, dtype, generator)
     log.info("prompt block: %s (measured in %.1f s; %s)", chosen.describe() if chosen else "none",
              time.perf_counter() - started,
              ", ".join(f"{size} rows {1e6 * mine:.0f} us a row against {1e6 * theirs:.0f} in {small}-row calls"
                        for size, (mine, theirs) in costs.items()) or "no candidate size is row-invariant here")
     return chosen
+
+
+def _with_rest_sizes(block: int, cost: tuple[float, float], shapes, small: int, dtype, generator) -> PromptBlock:
+    """The block and the row-invariant sizes under it a prompt's rest may be padded to."""
+    sizes = {block: cost}
+    for size in range(REST_STEP, block, REST_STEP):
+        if size > small and all(block_agrees(layer, layer.in_features, size, dtype, generator)
+                                for layer, _ in shapes.values()):
+            sizes[size] = _seconds_per_row(shapes, size, small, dtype, generator)
+    small_cost = min(theirs for _, theirs in sizes.values())
+    return PromptBlock(block, tuple(sorted((size, mine) for size, (mine, _) in sizes.items())), small_cost)
 
 
 def _seconds_per_row(shapes, size: int, small: int, dtype, generator) -> tuple[float, float]:

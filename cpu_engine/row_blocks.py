@@ -15,8 +15,8 @@ forwards (and 0.55 s in one 320-row forward, which is not row-invariant).
 
 Only forwards that must keep the row shape are cut (``shaping``): the
 draft's forwards of greedy calls alone go through whole. Rows a forward marks
-as a prompt's leading blocks (``prompt_rows``) go through calls of the shape's
-``prompt_block`` rows instead (cpu_engine/prompt_blocks.py says why).
+as a prompt's (``prompt_rows``) go through calls of the sizes it names instead
+(cpu_engine/prompt_blocks.py says why).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from cpu_engine.quantize import replace_submodule
 from cpu_engine.rows import RowShape, is_linear
 
 _shape: contextvars.ContextVar[RowShape | None] = contextvars.ContextVar("row_shape", default=None)
-# The forward's rows as runs (marked, start, stop), cut from the mask once a forward.
-_prompt_rows: contextvars.ContextVar[tuple[tuple[bool, int, int], ...] | None] = contextvars.ContextVar(
+# The forward's rows as runs (call size, start, stop); size None: the shape's calls.
+_prompt_rows: contextvars.ContextVar[tuple[tuple[int | None, int, int], ...] | None] = contextvars.ContextVar(
     "prompt_rows", default=None)
 
 
@@ -47,14 +47,28 @@ def shaping(shape: RowShape | None):
 
 
 @contextlib.contextmanager
-def prompt_rows(mask: torch.Tensor | None):
-    """Inside ``shaping``, the rows ``mask`` (bool, one per row of the forward)
-    marks go through calls of the shape's ``prompt_block`` rows."""
-    token = _prompt_rows.set(None if mask is None else runs_of(mask))
+def prompt_rows(runs):
+    """Inside ``shaping``, the forward's rows as runs (size, start, stop) in order:
+    a run of a size goes through calls of that many rows (the last padded), a run
+    of None as ``blocked`` computes it."""
+    token = _prompt_rows.set(None if runs is None else tuple(runs))
     try:
         yield
     finally:
         _prompt_rows.reset(token)
+
+
+def merged_runs(runs) -> list[tuple[int | None, int, int]]:
+    """``runs`` (size, start, stop) in row order, empty ones dropped and neighbours of one size joined."""
+    out: list[tuple[int | None, int, int]] = []
+    for size, start, stop in runs:
+        if stop <= start:
+            continue
+        if out and out[-1][0] == size and out[-1][2] == start:
+            out[-1] = (size, out[-1][1], stop)
+        else:
+            out.append((size, start, stop))
+    return out
 
 
 def blocked(layer, rows: torch.Tensor, shape: RowShape) -> torch.Tensor:
@@ -75,42 +89,30 @@ def _blocked_pieces(layer, rows: torch.Tensor, shape: RowShape) -> list[torch.Te
     return outputs
 
 
-def runs_of(mask: torch.Tensor) -> tuple[tuple[bool, int, int], ...]:
-    """``mask`` [rows] as its runs of equal values: (marked, start, stop) in order."""
-    values = mask.tolist()
-    runs, start = [], 0
-    for row in range(1, len(values) + 1):
-        if row == len(values) or values[row] != values[start]:
-            runs.append((bool(values[start]), start, row))
-            start = row
-    return tuple(runs)
-
-
 def _gather(rows: torch.Tensor, runs) -> torch.Tensor:
     pieces = [rows[start:stop] for _, start, stop in runs]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def split_by_path(layer, rows: torch.Tensor, runs, shape: RowShape) -> torch.Tensor:
-    """``layer`` over ``rows``: the rows of ``runs`` marked in ``prompt_block``-row
-    calls (the last padded), the others as ``blocked`` computes them. Runs are
-    sliced, not mask-indexed: a prompt's rows are one run or a few, and boolean
-    indexing cost a 300-token prefill about a tenth of its time."""
-    block = shape.prompt_block
-    marked_runs = [run for run in runs if run[0]]
-    rest_runs = [run for run in runs if not run[0]]
-    marked = _blocked_pieces(layer, _gather(rows, marked_runs), RowShape(floor=block, budget=block, fixed=block)) \
-        if marked_runs else []
-    rest = _blocked_pieces(layer, _gather(rows, rest_runs), shape) if rest_runs else []  # a lone row padded too
-    if len(marked_runs) <= 1 and len(rest_runs) <= 1:  # the usual forward: one copy of the outputs
-        pieces = marked + rest if runs[0][0] else rest + marked
+    """``layer`` over ``rows`` run by run (``prompt_rows``): the runs of one size
+    together, in calls of that size, the rest as ``blocked`` computes them. Runs
+    are sliced, not mask-indexed: boolean indexing cost a 300-token prefill about
+    a tenth of its time."""
+    by_size: dict[int | None, list] = {}
+    for run in runs:
+        by_size.setdefault(run[0], []).append(run)
+    outputs = {size: _blocked_pieces(layer, _gather(rows, group),
+                                     shape if size is None else RowShape(floor=size, budget=size, fixed=size))
+               for size, group in by_size.items()}
+    if all(len(group) == 1 for group in by_size.values()):  # the usual forward: one copy of the outputs
+        pieces = [piece for size, _, _ in runs for piece in outputs[size]]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    marked, rest = torch.cat(marked), torch.cat(rest)
-    pieces, taken = [], {True: 0, False: 0}
-    for is_marked, start, stop in runs:
-        source, at = (marked, taken[True]) if is_marked else (rest, taken[False])
-        pieces.append(source[at : at + stop - start])
-        taken[is_marked] = at + stop - start
+    joined = {size: torch.cat(pieces) for size, pieces in outputs.items()}
+    pieces, taken = [], dict.fromkeys(joined, 0)
+    for size, start, stop in runs:
+        pieces.append(joined[size][taken[size] : taken[size] + stop - start])
+        taken[size] += stop - start
     return torch.cat(pieces)
 
 
@@ -127,7 +129,7 @@ class RowBlockedLinear(nn.Module):
         leading = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
         runs = _prompt_rows.get()
-        if shape is not None and runs is not None and shape.prompt_block:
+        if shape is not None and runs is not None:
             out = split_by_path(self.inner, rows, runs, shape)
         elif shape is None or rows.shape[0] <= shape.block:
             return self.inner(x)

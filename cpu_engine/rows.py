@@ -72,8 +72,6 @@ class RowShape:
     forward_rows: int | None = None
     # rows of the calls a prompt's leading blocks go through (cpu_engine/prompt_blocks.py)
     prompt_block: int | None = None
-    # the fewest rows of a prompt's rest past its whole blocks that go through one more, padded
-    prompt_padded_from: int | None = None
 
     @property
     def block(self) -> int:
@@ -112,8 +110,6 @@ class RowShape:
 
     def describe(self) -> str:
         prompt = f", a prompt's whole blocks in calls of {self.prompt_block} rows" if self.prompt_block else ""
-        if self.prompt_block and self.prompt_padded_from:
-            prompt += f" (its rest too, padded, from {self.prompt_padded_from} rows)"
         return f"forwards of up to {self.capacity} rows, {self.kernel_calls()}{prompt}"
 
 

@@ -33,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -288,9 +288,11 @@ def server_inputs(mode: str, prompt: str, max_tokens: int, fixed_window: int):
 
 
 def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max_tokens: int, fixed_window: int,
-               length: int, tag: str = "", seconds: float | None = None, prompt_set: str = HUMANEVAL) -> Measurement:
+               length: int, tag: str = "", seconds: float | None = None, prompt_set: str = HUMANEVAL,
+               into: Measurement | None = None) -> Measurement:
     """``concurrency`` streams at once, each running every prompt (stream i starts at prompt i);
     with ``seconds``, each stream goes on through the prompts until that time has passed.
+    With ``into``, the burst is added to that measurement (its seconds, requests, texts).
 
     With ``tag``, each request's prompt starts with a comment line of its own
     (tag, stream, step), so no request reuses the KV cache another run left
@@ -299,7 +301,7 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
 
     from tools.client import stream_completion
 
-    measurement = Measurement(f"server {mode}", length, concurrency, prompt_set)
+    measurement = into or Measurement(f"server {mode}", length, concurrency, prompt_set)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -323,11 +325,23 @@ def run_server(url: str, mode: str, prompts: list[Prompt], concurrency: int, max
         worker.start()
     for worker in workers:
         worker.join()
-    measurement.seconds = time.perf_counter() - started
+    measurement.seconds += time.perf_counter() - started
     measurement.add_steal(stolen, host_steal_seconds())
     if errors:
         raise BenchError(f"server {mode} at {concurrency} streams: {errors[0]}")
     return measurement
+
+
+def run_load(burst: Callable[..., Measurement], modes: Sequence[str], bursts: int) -> list[Measurement]:
+    """Each mode's ``bursts`` bursts at one load, the modes' order turned by one from burst to
+    burst (plain, default, default, plain: ABBA), each mode's bursts summed into one measurement.
+    A shared host's speed drifts from minute to minute; run mode after mode, one mode would
+    meet the drift alone. ``burst(mode, number, into)`` runs one burst."""
+    merged: dict[str, Measurement | None] = dict.fromkeys(modes)
+    for number in range(bursts):
+        for mode in list(modes[number % len(modes):]) + list(modes[:number % len(modes)]):
+            merged[mode] = burst(mode, number, merged[mode])
+    return [merged[mode] for mode in modes]
 
 
 def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_tokens: int, fixed_window: int,
@@ -683,6 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="before each server run at more than one stream, the same load for this long, "
                         "unmeasured: a server in service has measured its load (default 45: the load governor "
                         "measures each regime for two 10 s epochs)")
+    parser.add_argument("--bursts", type=int, default=2,
+                        help="bursts of each mode at each load of more than one stream, the modes' order turned "
+                        "from burst to burst (default 2: plain, default, default, plain), so the host's drift "
+                        "falls on every mode alike")
     parser.add_argument("--metrics-url", default="http://localhost:8002/metrics",
                         help="the server's metrics; one-stream runs read the engines' forward counters around each "
                         "request to report the serving stack's time per round ('' to skip; default %(default)s)")
@@ -707,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
+        if args.bursts < 1:
+            raise BenchError(f"--bursts must be at least 1, got {args.bursts}")
         if args.max_tokens < 1 or args.prompts < 1 or not args.concurrency or not args.prompt_tokens:
             raise BenchError("--max-tokens and --prompts must be at least 1; --concurrency and --prompt-tokens "
                              "need a value")
@@ -751,8 +771,13 @@ def main(argv: list[str] | None = None) -> int:
                     run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
                                shortest, tag=f"warm-up {mode} {shortest} {concurrency} {RUN_ID}",
                                seconds=args.warmup_seconds)
-                m = run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens, args.fixed_window,
-                               shortest, tag=f"{mode} {shortest} {concurrency} {RUN_ID}")
+
+            def burst(mode, number, into, concurrency=concurrency):
+                return run_server(args.url, mode, prompts[shortest], concurrency, args.max_tokens,
+                                  args.fixed_window, shortest, tag=f"{mode} {shortest} {concurrency} {RUN_ID}.{number}",
+                                  into=into)
+
+            for m in run_load(burst, server_modes, args.bursts):
                 measurements.append(m)
                 progress(_progress_line(m))
         after_loads = _metrics_text(args.metrics_url)

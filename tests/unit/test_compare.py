@@ -137,6 +137,41 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
     assert all(m.requests == 3 and m.completion_tokens == 24 and m.seconds > 0 for m in runs)
 
 
+def test_a_load_runs_the_modes_bursts_in_turned_order_and_sums_each_modes_bursts(monkeypatch):
+    """Mode after mode, one mode would meet the host's drift alone: ABBA cancels a steady drift."""
+    import types
+
+    import tools.client
+    from tools.compare import run_load, run_server
+    from tools.prompts import Prompt
+
+    sent = []
+
+    def completion(client, inputs):
+        sent.append(inputs)
+        return types.SimpleNamespace(completion_tokens=8, draft_tokens=4, accepted_draft_tokens=3,
+                                     time_to_first_chunk=0.1, text="x", fallback_reason="")
+
+    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", GrpcClient)
+    monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: (mode, text))
+    monkeypatch.setattr(tools.client, "stream_completion", completion)
+    prompts = [Prompt(f"p{i}", f"def f{i}():", 3) for i in range(2)]
+
+    def burst(mode, number, into):
+        return run_server("x", mode, prompts, 1, 8, 4, 150, tag=f"{mode} {number}", into=into)
+
+    runs = run_load(burst, ("plain", "adaptive"), 2)
+    assert [mode for mode, _ in sent] == ["plain"] * 2 + ["adaptive"] * 4 + ["plain"] * 2
+    assert len({text for _, text in sent}) == 8  # every request's prompt its own: no run reuses another's prefill
+    assert [m.system for m in runs] == ["server plain", "server adaptive"]
+    assert all(m.requests == 4 and m.completion_tokens == 32 and m.seconds > 0 for m in runs)
+    from tools import compare
+
+    with pytest.raises(SystemExit):
+        compare.build_parser().parse_args(["--bursts", "x"])
+    assert compare.main(["--bursts", "0", "--skip-peers"]) == compare.EXIT_ERROR
+
+
 def test_modes_are_checked_and_plain_always_runs_first():
     assert parse_modes("adaptive,draft_model") == ("plain", "adaptive", "draft_model")
     assert parse_modes("draft_model, plain,draft_model") == ("plain", "draft_model")

@@ -487,26 +487,26 @@ def test_logits_match_the_model_run_by_transformers_whatever_the_forwards_carrie
         assert torch.allclose(torch.from_numpy(result.logits), reference, atol=1e-4), max_num_tokens
 
 
-@pytest.mark.parametrize("padded_from", [None, 40])
-def test_a_prompts_blocks_in_larger_calls_keep_speculation_identical_to_plain_decoding(model_dir, padded_from):
-    """prompt_length sends a prompt's leading whole blocks (and, from ``padded_from``
-    rows, its rest) through calls of the prompt block (cpu_engine/prompt_blocks.py):
+@pytest.mark.parametrize("rest", [None, 64])
+def test_a_prompts_blocks_in_larger_calls_keep_speculation_identical_to_plain_decoding(model_dir, rest):
+    """prompt_length sends a prompt's leading whole blocks (and its rest, padded to
+    ``rest`` rows) through calls of those sizes (cpu_engine/prompt_blocks.py):
     plain decoding, verification rounds, a cached shorter prompt and a batch-mate
     leave the text as it is."""
-    from dataclasses import replace
+    from cpu_engine.prompt_blocks import PromptBlock
 
     e = CausalLMEngine(str(model_dir), dtype="float32", num_threads=1, max_cached_sequences=4,
                        max_context_tokens=512, max_num_tokens=256, prompt_block="128")
     assert e.row_shape.prompt_block == 128 and e.prompt_attention, e.row_shape.describe()
-    e.row_shape = replace(e.row_shape, prompt_padded_from=padded_from)
+    e.prompt_block = PromptBlock(128, ((rest, 1e-6),) if rest else (), small=1.0)
     calls = []
     probe = e.model.model.layers[0].mlp.down_proj.inner
     probe.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     prompt = (np.arange(300) * 7 + 3) % 64
     plain = e.run(EngineRequest(prompt, 12, prompt_length=300)).tokens
-    # positions 0-255 in two 128-row calls; 256-298 (43 rows) in small ones or one more, padded
-    assert calls.count(128) == (2 if padded_from is None else 3)
-    assert max(c for c in calls if c != 128) <= e.row_shape.block
+    # positions 0-255 in two 128-row calls; 256-298 (43 rows) in small ones or one 64-row call, padded
+    assert calls.count(128) == 2 and calls.count(64) == (1 if rest else 0)
+    assert max(c for c in calls if c not in (128, 64)) <= e.row_shape.block
 
     def speculate(engine):
         out = []

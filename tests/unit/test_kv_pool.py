@@ -102,3 +102,15 @@ def test_an_entry_computed_on_another_prompt_path_is_reused_only_where_both_path
     assert pool.take(np.append(tokens, 7), prompt_path=16) == ("a[:16]", 16)
     assert pool.take(np.append(tokens, 7)) == (None, 0)  # a call without a prompt path: nothing below 32 agrees
     assert pool.take(np.append(tokens, 7), prompt_path=48) == ("a[:32]", 32)
+
+
+def test_the_engine_says_how_far_two_prompt_paths_agree():
+    """With a prompt's rest padded to a call of its own size, two paths agree only
+    up to their whole blocks (PromptBlock.agreement): the pool asks, not assumes."""
+    tokens = np.arange(1, 41)
+    pool = PrefixCachePool(4, tail=4, copy_prefix=lambda cache, n: f"{cache}[:{n}]",
+                           path_agreement=lambda one, other: min(one, other) // 16 * 16)
+    pool.put(tokens, "a", prompt_path=39)
+    assert pool.take(np.append(tokens, 7), prompt_path=39) == ("a", 40)  # the same path: all of it
+    pool.put(tokens, "a", prompt_path=39)
+    assert pool.take(np.append(tokens, 7), prompt_path=48) == ("a[:32]", 32)

@@ -6,32 +6,41 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cpu_engine import prompt_blocks  # noqa: E402
-from cpu_engine.prompt_blocks import PromptBlock, block_agrees, measure_prompt_block, padded_from, prompt_path  # noqa: E402,E501
+from cpu_engine.prompt_blocks import PromptBlock, block_agrees, measure_prompt_block, prompt_path  # noqa: E402
+
+BLOCK = PromptBlock(128)  # no size for a prompt's rest: it goes through the small calls
 
 
 def test_the_prompt_path_is_the_prompts_whole_blocks_short_of_its_last_token():
-    assert prompt_path(300, 300, 128) == 256
-    assert prompt_path(257, 400, 128) == 256  # the prompt's last token (position 256) is a decode row
-    assert prompt_path(256, 400, 128) == 128
-    assert prompt_path(100, 100, 128) == 0
-    assert prompt_path(300, 200, 128) == 128  # a prompt_length past the call's input counts the input
-    assert prompt_path(None, 300, 128) == prompt_path(300, 300, None) == 0
+    assert prompt_path(300, 300, BLOCK) == 256
+    assert prompt_path(257, 400, BLOCK) == 256  # the prompt's last token (position 256) is a decode row
+    assert prompt_path(256, 400, BLOCK) == 128
+    assert prompt_path(100, 100, BLOCK) == 0
+    assert prompt_path(300, 200, BLOCK) == 128  # a prompt_length past the call's input counts the input
+    assert prompt_path(None, 300, BLOCK) == prompt_path(300, 300, None) == 0
 
 
-def test_a_prompts_rest_joins_its_blocks_padded_from_the_measured_length():
-    assert prompt_path(300, 300, 128, padded_from=65) == 256  # a 43-row rest: small calls
-    assert prompt_path(358, 358, 128, padded_from=65) == 357  # a 101-row rest: one more call, padded
-    assert prompt_path(322, 322, 128, padded_from=65) == 321  # 65 rows: the least that is padded
-    assert prompt_path(321, 321, 128, padded_from=65) == 256
-    assert prompt_path(358, 300, 128, padded_from=65) == 256  # the call's input bounds it
-    assert prompt_path(100, 100, 128, padded_from=65) == 99  # a prompt shorter than a block, padded to one
-    assert prompt_path(358, 358, 128, padded_from=None) == 256
+# seconds a row, as measured with 256-row blocks on a 2-vCPU Intel Xeon with AMX (bfloat16, the 1.5B target)
+LADDER = PromptBlock(256, ((64, 1.70e-3), (128, 1.35e-3), (192, 1.10e-3), (256, 1.05e-3)), small=2.45e-3)
 
 
-def test_the_rest_is_padded_from_where_one_call_costs_less_than_its_rows_in_small_calls():
-    assert padded_from(128, mine=0.945e-3, theirs=1.86e-3) == 66  # 65 rows: 120.9 ms in small calls, 121.0 ms padded
-    assert padded_from(256, mine=0.874e-3, theirs=1.775e-3) == 127
-    assert padded_from(128, mine=1e-3, theirs=1e-3) is None  # never cheaper than its rows in small calls
+def test_a_prompts_rest_is_padded_to_the_size_that_costs_least_where_that_beats_the_small_calls():
+    assert LADDER.rest_call(101) == 128  # 173 ms padded to 128 rows; 218 to 192, 269 to 256, 247 in small calls
+    assert LADDER.rest_call(60) == 64  # 109 ms against 147
+    assert LADDER.rest_call(44) is None  # 109 ms padded against 108 in small calls
+    assert LADDER.rest_call(150) == 192 and LADDER.rest_call(255) == 256
+    assert prompt_path(358, 358, LADDER) == 357 and prompt_path(300, 300, LADDER) == 256
+    assert prompt_path(358, 300, LADDER) == 256  # the call's input bounds it (a 43-row rest)
+    assert prompt_path(100, 100, LADDER) == 99  # a prompt shorter than a block, in one 128-row call
+
+
+def test_two_paths_agree_up_to_where_their_positions_go_through_calls_of_one_size():
+    assert LADDER.call_of(357, 100) == 256 and LADDER.call_of(357, 300) == 128
+    assert LADDER.agreement(357, 356) == 356  # both rests in 128-row calls from position 256
+    assert LADDER.agreement(357, 400) == 256  # a 101-row rest in a 128-row call, a 144-row one in a 192-row call
+    assert LADDER.agreement(357, 512) == 256  # positions 256.. in a 128-row call against a 256-row one
+    assert LADDER.agreement(256, 357) == 256 and LADDER.agreement(512, 768) == 512
+    assert PromptBlock(128).agreement(256, 384) == 256
 
 
 class PlaceDependent(torch.nn.Linear):
@@ -70,9 +79,10 @@ def test_settings_name_the_valid_ones_and_a_forced_size_must_be_row_invariant():
 
 @pytest.mark.parametrize(("share", "kept"), [(0.5, 128), (0.95, None)])
 def test_auto_keeps_the_fastest_size_only_where_it_clearly_beats_the_small_calls(monkeypatch, share, kept):
-    costs = {128: (share * 1e-6, 1e-6), 256: (0.99e-6, 1e-6)}
+    costs = {64: (share * 1e-6, 1e-6), 128: (share * 1e-6, 1e-6), 256: (0.99e-6, 1e-6)}
     monkeypatch.setattr(prompt_blocks, "_seconds_per_row", lambda shapes, size, *args: costs[size])
     chosen = measure_prompt_block(torch.nn.Sequential(PlaceDependent()), 32)
     assert (chosen and chosen.rows) == kept
-    if kept:
-        assert chosen == PromptBlock(128, padded_from(128, share * 1e-6, 1e-6)) == PromptBlock(128, 65)
+    if kept:  # 64-row calls measured too for a prompt's rest (the fake's cost of 128)
+        assert chosen == PromptBlock(128, ((64, share * 1e-6), (128, share * 1e-6)), small=1e-6)
+        assert chosen.rest_call(40) == 64 and chosen.rest_call(70) == 128

@@ -58,32 +58,29 @@ def test_every_linear_layer_is_wrapped_once_and_a_shared_one_once():
         assert torch.allclose(model(x), torch.nn.Sequential(model[0].inner, torch.nn.ReLU(), shared, shared)(x))
 
 
-def test_rows_marked_as_a_prompts_blocks_go_through_calls_of_the_prompt_block():
-    from cpu_engine.row_blocks import prompt_rows
+def test_runs_of_rows_go_through_calls_of_their_sizes():
+    from cpu_engine.row_blocks import merged_runs, prompt_rows
 
     inner = ShapeRecorder(limit=16)
     layer = RowBlockedLinear(inner)
     shape = RowShape(floor=2, budget=8, forward_rows=64, prompt_block=16)
     rows = torch.randn(1, 27, 16, generator=torch.Generator().manual_seed(1))
-    mask = torch.zeros(27, dtype=torch.bool)
-    mask[3:23] = True  # 20 prompt rows between decode rows
-    with shaping(shape), prompt_rows(mask):
+    runs = merged_runs([(None, 0, 3), (16, 3, 23), (None, 23, 23), (None, 23, 27)])
+    assert runs == [(None, 0, 3), (16, 3, 23), (None, 23, 27)]  # 20 prompt rows between decode rows
+    with shaping(shape), prompt_rows(runs):
         out = layer(rows)
-    assert inner.calls == [16, 16, 7]  # 20 marked rows in two 16-row calls (the last padded), 7 others in one
+    assert sorted(inner.calls) == [7, 16, 16]  # 20 marked rows in two 16-row calls (the last padded), 7 others in one
     marked = torch.nn.functional.pad(rows[0, 19:23], (0, 0, 0, 12))
     assert torch.equal(out[0, 19:23], inner(marked)[:4])  # as a 16-row call computes them
     assert torch.equal(out[0, :3], inner(rows[0, :3])) and torch.equal(out[0, 23:], inner(rows[0, 23:]))
-    for first, marked_first in ((20, True), (7, False)):  # one run of each: the outputs in one copy
-        mask = torch.tensor([marked_first] * first + [not marked_first] * (27 - first))
-        inner.calls.clear()
-        with shaping(shape), prompt_rows(mask):
-            out = layer(rows)
-        marked = rows[0, mask]
-        in_calls = [marked[i : i + 16] for i in range(0, len(marked), 16)]
-        blocks = torch.cat([inner(torch.nn.functional.pad(part, (0, 0, 0, 16 - len(part))))[: len(part)]
-                            for part in in_calls])
-        assert torch.equal(out[0, mask], blocks) and torch.equal(out[0, ~mask], inner(rows[0, ~mask]))
+    # one run of each size (the outputs in one copy): a prompt's whole block, its rest padded to 8, a decode row
     inner.calls.clear()
-    with shaping(shape), prompt_rows(torch.tensor([True] + [False] * 4 + [True] * 3)):
+    with shaping(shape), prompt_rows([(16, 0, 16), (8, 16, 21), (None, 21, 22)]):
+        out = layer(rows[:, :22])
+    assert sorted(inner.calls) == [2, 8, 16]  # the lone decode row padded to the floor
+    assert torch.equal(out[0, 16:21], inner(torch.nn.functional.pad(rows[0, 16:21], (0, 0, 0, 3)))[:5])
+    assert torch.equal(out[0, :16], inner(rows[0, :16])) and torch.equal(out[0, 21:], inner(rows[0, 21:22]))
+    inner.calls.clear()
+    with shaping(shape), prompt_rows([(16, 0, 1), (None, 1, 5), (16, 5, 8)]):
         layer(rows[:, :8])
-    assert inner.calls == [16, 4]  # a lone decode row would be padded to the floor: 4 rows here
+    assert sorted(inner.calls) == [4, 16]  # runs of one size share calls
