@@ -350,7 +350,8 @@ class CausalLMEngine:
             earlier[key] = earlier.get(key, 0) + len(work.tokens)
             ids += work.tokens
             positions += range(cached, cached + len(work.tokens))
-            in_blocks = 0 if work.logits else max(0, min(len(work.tokens), work.call.prompt_path - cached))
+            # a prompt's leading rows on its path: prefill rows, and the prompt's last token (a logits row)
+            in_blocks = max(0, min(len(work.tokens), work.call.prompt_path - cached))
             segments.append(attention.Segment(start, len(ids), work.call.sequence, in_blocks))
             if work.logits:
                 wanted += range(start, len(ids))

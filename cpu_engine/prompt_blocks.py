@@ -10,7 +10,7 @@ are and wherever the row sits in it, but round otherwise than the small calls.
 So a position has one of two paths, fixed by the request alone: the prompt's
 leading whole blocks of ``prompt_block`` rows (``prompt_path``) go through
 ``prompt_block``-row calls, everything else (the rest of the prompt, generated
-tokens, drafts, every logits row) through the small calls. The prompt's rest
+tokens, drafts, every other logits row) through the small calls. The prompt's rest
 past its whole blocks goes through one more call, padded, of the size (a
 multiple of REST_STEP up to the block, each measured row-invariant too) that
 costs least, where that costs less than its rows in small calls: on that
@@ -97,11 +97,13 @@ class PromptBlock:
 
 def prompt_path(prompt_length: int | None, input_length: int, block: PromptBlock | None) -> int:
     """How many leading positions of a call's input go through the prompt's calls:
-    its whole blocks, and its rest where a padded call pays (``PromptBlock.rest_call``),
-    short of its last token (a decode row, like every row whose logits are read)."""
+    its whole blocks, and its rest where a padded call pays (``PromptBlock.rest_call``).
+    The prompt's last token counts: its row, whose logits give the first token, joins
+    the calls too rather than read every weight once more in a small call of its own
+    (about a decode step, a sixth of a 350-token prefill)."""
     if block is None or not prompt_length:
         return 0
-    rows = min(prompt_length, input_length) - 1
+    rows = min(prompt_length, input_length)
     whole = rows // block.rows * block.rows
     return rows if block.rest_call(rows - whole) else whole
 

@@ -155,9 +155,10 @@ class Scheduler:
                 start = call.prefilled
                 works.append(Work(call, [int(t) for t in call.input_ids[start : start + chunk]], logits=False))
                 room -= chunk
-                if chunk == left and len(call.feed) <= room:
+                if chunk == left and (len(call.feed) <= room or call.prompt_path >= len(call.input_ids)):
                     # the prompt is in: its first decode rows ride in the same forward, so the
-                    # first token does not wait for a forward of its own
+                    # first token does not wait for a forward of its own (past the room where the
+                    # prompt's last token finishes its padded call: alone it would pad one of its own)
                     works.append(Work(call, list(call.feed), logits=True))
                     room -= len(call.feed)
                 if chunk == left and self.capacity - room >= self.shared_prefill:
@@ -168,7 +169,7 @@ class Scheduler:
         """Prompt rows of ``call`` the next forward takes: within the prompt's
         blocks a whole number of blocks (at least one) and, once they are all
         in, what of the rest fits; past its blocks what fits."""
-        blocks_left = call.prompt_path - call.prefilled
+        blocks_left = min(call.prompt_path - call.prefilled, left)  # the last token is a decode row
         if blocks_left <= 0 or not self.prompt_block:
             return min(left, room)
         block = self.prompt_block

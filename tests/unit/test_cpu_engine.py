@@ -503,6 +503,11 @@ def test_a_prompts_blocks_in_larger_calls_keep_speculation_identical_to_plain_de
     probe = e.model.model.layers[0].mlp.down_proj.inner
     probe.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     prompt = (np.arange(300) * 7 + 3) % 64
+    e.run(EngineRequest(prompt, 1, prompt_length=300))
+    if rest:  # one forward: the prompt's last token in the rest's call, not a small call of its own
+        assert calls == [128, 128, 64]
+    e.pool.clear()
+    calls.clear()
     plain = e.run(EngineRequest(prompt, 12, prompt_length=300)).tokens
     # positions 0-255 in two 128-row calls; 256-298 (43 rows) in small ones or one 64-row call, padded
     assert calls.count(128) == 2 and calls.count(64) == (1 if rest else 0)

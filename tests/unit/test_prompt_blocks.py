@@ -11,10 +11,10 @@ from cpu_engine.prompt_blocks import PromptBlock, block_agrees, measure_prompt_b
 BLOCK = PromptBlock(128)  # no size for a prompt's rest: it goes through the small calls
 
 
-def test_the_prompt_path_is_the_prompts_whole_blocks_short_of_its_last_token():
+def test_the_prompt_path_is_the_prompts_whole_blocks():
     assert prompt_path(300, 300, BLOCK) == 256
-    assert prompt_path(257, 400, BLOCK) == 256  # the prompt's last token (position 256) is a decode row
-    assert prompt_path(256, 400, BLOCK) == 128
+    assert prompt_path(257, 400, BLOCK) == 256  # the prompt's last token (position 256) is a small call's row
+    assert prompt_path(256, 400, BLOCK) == 256  # the last token (position 255) in the second block's call
     assert prompt_path(100, 100, BLOCK) == 0
     assert prompt_path(300, 200, BLOCK) == 128  # a prompt_length past the call's input counts the input
     assert prompt_path(None, 300, BLOCK) == prompt_path(300, 300, None) == 0
@@ -29,9 +29,9 @@ def test_a_prompts_rest_is_padded_to_the_size_that_costs_least_where_that_beats_
     assert LADDER.rest_call(60) == 64  # 109 ms against 147
     assert LADDER.rest_call(44) is None  # 109 ms padded against 108 in small calls
     assert LADDER.rest_call(150) == 192 and LADDER.rest_call(255) == 256
-    assert prompt_path(358, 358, LADDER) == 357 and prompt_path(300, 300, LADDER) == 256
+    assert prompt_path(358, 358, LADDER) == 358 and prompt_path(300, 300, LADDER) == 256
     assert prompt_path(358, 300, LADDER) == 256  # the call's input bounds it (a 43-row rest)
-    assert prompt_path(100, 100, LADDER) == 99  # a prompt shorter than a block, in one 128-row call
+    assert prompt_path(100, 100, LADDER) == 100  # a prompt shorter than a block, in one 128-row call
 
 
 def test_two_paths_agree_up_to_where_their_positions_go_through_calls_of_one_size():

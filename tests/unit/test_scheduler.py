@@ -229,3 +229,25 @@ def test_a_prompts_leading_blocks_are_taken_a_whole_block_at_a_time():
     prompt.prefilled = 40  # a cached prefix that ends inside a block: the block's rest
     works, _ = step(scheduler)
     assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (prompt, 8)]
+
+
+def test_a_prompt_whose_last_token_is_on_its_path_ends_in_one_forward_next_to_streams():
+    """A padded rest takes the prompt's last token into its call (cpu_engine/prompt_blocks.py):
+    the token's decode row rides with it past the shared room, where alone it would pad a
+    call of its own; the prefill never takes the last token as a prefill row."""
+    scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
+    stream, prompt = call(4, new_tokens=10, reused=3), call(61, new_tokens=2)
+    prompt.prompt_path = 61  # 48 in whole blocks, the 13-row rest padded, its last token too
+    scheduler.add(stream)
+    scheduler.add(prompt)
+    assert [(w.call, len(w.tokens), w.logits) for w in step(scheduler)[0]] == [(stream, 1, True), (prompt, 16, False)]
+    prompt.prefilled = 48
+    works, _ = step(scheduler)
+    assert [(w.call, len(w.tokens), w.logits) for w in works] == [(stream, 1, True), (prompt, 12, False),
+                                                                 (prompt, 1, True)]
+    plain = call(61, new_tokens=2)
+    plain.prompt_path, plain.prefilled = 48, 48  # a rest in small calls: the shared room as before
+    scheduler = Scheduler(capacity=64, shared_prefill=8, prompt_block=16)
+    scheduler.add(call(4, new_tokens=10, reused=3))
+    scheduler.add(plain)
+    assert [len(w.tokens) for w in step(scheduler)[0]] == [1, 8]
