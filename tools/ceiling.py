@@ -155,23 +155,48 @@ def measured_forwards(model_dir: str, dtype: str, scheme: str, context: int, rep
     meets the typical forward, not the luckiest)."""
     from cpu_engine import attention
     from tools.measure_forwards import ForwardTimer, load_model
-    from cpu_engine.rows import measure_row_shape
+    from cpu_engine.rows import MAX_BLOCK_ROWS, measure_row_shape
 
     model, _ = load_model(model_dir, dtype, scheme)
-    shape = measure_row_shape(model, capacity, attention.BLOCK_ROWS)
-    needed = {shape.rows(n) for n in rows_needed(Forwards(lambda n: 1.0, shape.capacity))}
+    # the kernel calls' shape, probed as the engine probes it; a forward carries up to ``capacity`` rows
+    shape = measure_row_shape(model, min(capacity, MAX_BLOCK_ROWS), attention.BLOCK_ROWS)
+    needed = {shape.rows(n) for n in rows_needed(Forwards(lambda n: 1.0, capacity))}
     timer = ForwardTimer(model, context)
     times: dict[int, list[float]] = {n: [] for n in sorted(needed)}
     for _ in range(repeats):  # every size once per repeat, so drift of a busy machine reaches all alike
         for n, samples in times.items():
             samples.append(timer.once_ms(n))
     measured = {n: statistics.median(samples) for n, samples in times.items()}
-    return Forwards(lambda n: measured[shape.rows(n)], shape.capacity), measured, shape.describe()
+    return Forwards(lambda n: measured[shape.rows(n)], capacity), measured, shape.describe()
 
 
 def recorder(forwards: Forwards, seen: set[int]) -> Forwards:
     """``forwards`` that also note the row counts asked for."""
     return Forwards(lambda n: seen.add(n) or forwards.ms(n), forwards.capacity)
+
+
+def measure_pair(target_dir: str, draft_dir: str, streams: Sequence[int], max_window: int, prompt_tokens: int,
+                 max_tokens: int, capacity: int, context: int = 200, repeats: int = 5,
+                 dtypes: tuple[str, str] = ("auto", "bfloat16"), weights: tuple[str, str] = ("none", "int4")):
+    """The target's and the draft's forwards at the row counts ``ceilings`` asks for at
+    ``streams``: (target, its ms by rows, its row shape, draft, its ms, its shape)."""
+    from cpu_engine.engine import resolve_dtype
+
+    target_dtype, draft_dtype = (resolve_dtype(dtype) for dtype in dtypes)
+
+    def rows_needed(target: Forwards, draft: Forwards) -> tuple[set[int], set[int]]:
+        seen_target, seen_draft = set(), set()
+        for count in streams:
+            ceilings(count, 0.7, max_window, recorder(target, seen_target), recorder(draft, seen_draft),
+                     prompt_tokens, max_tokens)
+        return seen_target, seen_draft
+
+    free = Forwards(lambda n: 1.0, capacity)
+    target, target_ms, target_shape = measured_forwards(
+        target_dir, target_dtype, weights[0], context, repeats, capacity, lambda shaped: rows_needed(shaped, free)[0])
+    draft, draft_ms, draft_shape = measured_forwards(
+        draft_dir, draft_dtype, weights[1], context, repeats, capacity, lambda shaped: rows_needed(target, shaped)[1])
+    return target, target_ms, target_shape, draft, draft_ms, draft_shape
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="each request's completion (default 64)")
     parser.add_argument("--max-window", type=int, default=8)
     parser.add_argument("--fixed-window", type=int, default=4)
-    parser.add_argument("--capacity", type=int, default=64, help="rows per forward (the engine's max_num_tokens)")
+    parser.add_argument("--capacity", type=int, default=512,
+                        help="rows per forward (the engine's max_num_tokens; default 512, the cpu profile's)")
     parser.add_argument("--context", type=int, default=200, help="cached tokens before the timed forwards")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -210,19 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     streams = [int(s) for s in args.streams.split(",")]
     alphas = [float(a) for a in args.acceptance.split(",")]
 
-    def rows_needed(target: Forwards, draft: Forwards) -> tuple[set[int], set[int]]:
-        seen_target, seen_draft = set(), set()
-        report(streams, alphas[:1], args.max_window, recorder(target, seen_target), recorder(draft, seen_draft),
-               args.prompt_tokens, args.max_tokens, args.fixed_window)
-        return seen_target, seen_draft
-
-    free = Forwards(lambda n: 1.0, args.capacity)
-    target, target_ms, target_shape = measured_forwards(
-        args.target, target_dtype, args.target_weights, args.context, args.repeats, args.capacity,
-        lambda shaped: rows_needed(shaped, free)[0])
-    draft, draft_ms, draft_shape = measured_forwards(
-        args.draft, draft_dtype, args.draft_weights, args.context, args.repeats, args.capacity,
-        lambda shaped: rows_needed(target, shaped)[1])
+    target, target_ms, target_shape, draft, draft_ms, draft_shape = measure_pair(
+        args.target, args.draft, streams, args.max_window, args.prompt_tokens, args.max_tokens, args.capacity,
+        args.context, args.repeats, (target_dtype, draft_dtype), (args.target_weights, args.draft_weights))
     print(f"# forward ms by rows ({args.threads} threads, {args.context}-token cache, median of {args.repeats}); "
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} tokens each")
     print(f"# target {target_dtype}, {args.target_weights} ({target_shape}): " + ", ".join(f"{n}: {ms:.0f}" for n, ms in target_ms.items()))

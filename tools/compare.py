@@ -123,6 +123,37 @@ class Measurement:
         return statistics.median(self.first_text) if self.first_text else None
 
 
+@dataclass(frozen=True)
+class Bound:
+    """What this machine's forwards allow (tools/ceiling.py: every stream in step, no
+    serving cost, the draft model's speculation at the best window for an acceptance)
+    for requests of ``prompt_tokens`` and ``max_tokens``; measured in-process while the
+    server is idle, like the peers."""
+
+    target: object  # tools.ceiling.Forwards
+    draft: object
+    prompt_tokens: int
+    max_tokens: int
+    max_window: int
+
+    def tokens_per_second(self, streams: int, acceptance: float | None) -> float:
+        """Plain decoding's ceiling (acceptance None), else the best of plain and every window."""
+        from tools.ceiling import best, ceilings
+
+        table = ceilings(streams, acceptance or 0.0, self.max_window, self.target, self.draft, self.prompt_tokens,
+                         self.max_tokens)
+        return table[0].tokens_per_second if acceptance is None else best(table).tokens_per_second
+
+
+def measure_bound(target_dir: Path, draft_dir: Path, streams: Sequence[int], prompt_tokens: int, max_tokens: int,
+                  max_window: int, capacity: int) -> Bound:
+    from tools.ceiling import measure_pair
+
+    target, _, _, draft, _, _ = measure_pair(str(target_dir), str(draft_dir), streams, max_window, prompt_tokens,
+                                             max_tokens, capacity)
+    return Bound(target, draft, prompt_tokens, max_tokens, max_window)
+
+
 def host_steal_seconds() -> float | None:
     """The host's cumulative steal time over all vCPUs (``/proc/stat``), or None off Linux or
     outside a VM that reports it."""
@@ -477,9 +508,10 @@ def forecast_accuracy(before: str, after: str) -> dict[str, dict]:
     return accuracy
 
 
-def summarise(measurements: list[Measurement], identity: list[Measurement]) -> dict:
+def summarise(measurements: list[Measurement], identity: list[Measurement], bound: Bound | None = None) -> dict:
     """Rows with ratios: vs plain transformers generate (same prompt length; concurrency 1 for the peer), vs the
-    server's plain mode at the same concurrency and length, and vs the same system's one-stream throughput.
+    server's plain mode at the same concurrency and length, vs the same system's one-stream throughput, and
+    (server rows of ``bound``'s prompts) vs what the machine's forwards allow at the row's acceptance.
     ``identity``: one run per server mode on the same prompts (plain first), whose texts must agree."""
     def find(system, length, concurrency, prompt_set=HUMANEVAL):
         return fastest_peer([m for m in measurements if m.system == system and m.prompt_tokens == length
@@ -511,9 +543,14 @@ def summarise(measurements: list[Measurement], identity: list[Measurement]) -> d
                                           if m.system.startswith("server") and m.concurrency == 1
                                           and forward is not None and m.p50_first_text else None),
             "acceptance": m.accepted / m.drafted if m.drafted else None,
+            "ceiling_tokens_per_second": None, "vs_ceiling": None,
             "overhead_per_round_in_target_forwards": m.overhead_per_round,
             "steal_seconds": m.steal_seconds,
         }
+        if (bound is not None and m.system.startswith("server") and m.prompt_set == HUMANEVAL
+                and m.prompt_tokens == bound.prompt_tokens):
+            row["ceiling_tokens_per_second"] = bound.tokens_per_second(m.concurrency, row["acceptance"])
+            row["vs_ceiling"] = rate / row["ceiling_tokens_per_second"] if rate else None
         rows.append(row)
     for m in identity[1:]:
         for prompt_id, text in m.texts.items():
@@ -559,15 +596,16 @@ def _fmt(value, spec=".2f", suffix=""):
 def format_table(summary: dict) -> str:
     lines = ["| system | prompts (tokens) | streams | tok/s (total) | vs transformers generate | vs assisted "
              "| vs server plain | vs one stream | p50 first text s | first text vs plain "
-             "| first text vs one transformers forward | acceptance |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| first text vs one transformers forward | acceptance | vs ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lines.append(
             f"| {row_label(r)} | {r['prompt_set']} {r['prompt_tokens']} | {r['concurrency']} | {_fmt(r['tokens_per_second'])} | "
             f"{_fmt(r['vs_transformers_generate'], '.2f', 'x')} | {_fmt(r['vs_transformers_assisted'], '.2f', 'x')} | "
             f"{_fmt(r['vs_server_plain'], '.2f', 'x')} | {_fmt(r['vs_one_stream'], '.2f', 'x')} | "
             f"{_fmt(r['p50_first_text_seconds'])} | {_fmt(r['first_text_vs_server_plain'], '.2f', 'x')} | "
-            f"{_fmt(r['first_text_vs_one_forward'], '.2f', 'x')} | {_fmt(r['acceptance'])} |")
+            f"{_fmt(r['first_text_vs_one_forward'], '.2f', 'x')} | {_fmt(r['acceptance'])} | "
+            f"{_fmt(r.get('vs_ceiling'), '.0%')} |")
     notes = []
     if summary["serving_overhead"]:  # not measured when the in-process peers were skipped
         notes.append("serving overhead (in-process engine tok/s over server plain tok/s, one stream, minus 1): "
@@ -581,6 +619,13 @@ def format_table(summary: dict) -> str:
         notes.append("hypervisor steal (stolen CPU seconds, summed over the vCPUs, per second of the run): " + ", ".join(
             f"{r['system']} {r['prompt_set']} {r['prompt_tokens']} x{r['concurrency']} "
             f"{r['steal_seconds'] / r['seconds']:.0%}" for r in stolen))
+    bounded = [r for r in summary["rows"] if r.get("ceiling_tokens_per_second")]
+    if bounded:
+        notes.append("vs ceiling: the row's tok/s over what this machine's forwards allow for the same requests at "
+                     "the row's acceptance (tools/ceiling.py: streams in step, no serving cost, the draft model at "
+                     "its best window; plain decoding's for plain): " + ", ".join(
+                         f"{r['system']} x{r['concurrency']} {r['ceiling_tokens_per_second']:.2f} tok/s"
+                         for r in bounded))
     metered = [r for r in summary["rows"] if r.get("overhead_per_round_in_target_forwards") is not None]
     if metered:
         notes.append("serving stack's time per round (request wall time outside the engines' forwards, per "
@@ -745,11 +790,15 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_prompts(args.prompts, count) if args.copy else []
         started = datetime.datetime.now(datetime.timezone.utc)
         measurements: list[Measurement] = []
+        bound = None
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
+            settings = server_engine_settings(args.url)
             measurements += run_peers(target_dir, draft_dir, prompts, args.max_tokens, args.threads, progress,
-                                      copy, CoordinatorSettings().speculation_window, args.peer_dtypes,
-                                      server_engine_settings(args.url))
+                                      copy, CoordinatorSettings().speculation_window, args.peer_dtypes, settings)
+            progress("the ceiling: the target's and the draft's forwards, timed in-process")
+            bound = measure_bound(target_dir, draft_dir, args.concurrency, min(prompts), args.max_tokens,
+                                  CoordinatorSettings().speculation_window, settings.get("max_num_tokens", 512))
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
         modes = args.modes
@@ -798,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, PromptError) as error:
         print(f"specdec-compare: {error}", file=sys.stderr)
         return EXIT_ERROR
-    summary = summarise(measurements, identity)
+    summary = summarise(measurements, identity, bound)
     if before_loads is not None and after_loads is not None:
         summary["forecast_accuracy"] = forecast_accuracy(before_loads, after_loads)
     table = format_table(summary)

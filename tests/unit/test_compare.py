@@ -86,6 +86,28 @@ def test_time_to_first_text_is_set_against_one_transformers_forward_over_the_pro
     assert "| 2.00x |" in format_table(summarise(runs, identity=[]))
 
 
+def test_server_rows_are_set_against_what_the_machines_forwards_allow_at_their_acceptance():
+    from tools.ceiling import Forwards, ceilings
+    from tools.compare import Bound
+
+    target, draft = Forwards(lambda rows: 200.0 + rows, 512), Forwards(lambda rows: 40.0, 512)
+    bound = Bound(target, draft, prompt_tokens=150, max_tokens=64, max_window=8)
+    adaptive = measurement("server adaptive", 8.0)
+    adaptive.drafted, adaptive.accepted = 100, 75
+    runs = [measurement("server plain", 4.0), adaptive, measurement("server plain", 12.0, concurrency=4),
+            measurement("server plain", 4.0, length=750)]
+    rows = {(r["system"], r["concurrency"], r["prompt_tokens"]): r for r in summarise(runs, [], bound)["rows"]}
+    plain_ceiling = ceilings(1, 0.0, 8, target, draft, 150, 64)[0].tokens_per_second
+    assert rows["server plain", 1, 150]["vs_ceiling"] == pytest.approx(4.0 / plain_ceiling)
+    best = max(c.tokens_per_second for c in ceilings(1, 0.75, 8, target, draft, 150, 64))
+    assert best > plain_ceiling and rows["server adaptive", 1, 150]["vs_ceiling"] == pytest.approx(8.0 / best)
+    four = ceilings(4, 0.0, 8, target, draft, 150, 64)[0].tokens_per_second
+    assert rows["server plain", 4, 150]["ceiling_tokens_per_second"] == pytest.approx(four)
+    assert rows["server plain", 1, 750]["vs_ceiling"] is None  # the bound is for the shortest prompts' requests
+    assert summarise(runs, [])["rows"][0]["vs_ceiling"] is None  # no bound measured (--skip-peers)
+    assert "vs ceiling: " in format_table(summarise(runs, [], bound))
+
+
 def test_a_speculative_text_that_differs_from_plain_is_reported():
     identity = [measurement("server plain", 1, texts={"100": "a", "101": "b"}),
                 measurement("server adaptive", 1, texts={"100": "a", "101": "c"})]
