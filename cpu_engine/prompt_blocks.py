@@ -7,15 +7,15 @@ one ``transformers`` forward over the same prompt. Calls of a fixed larger size
 (128 rows there) compute each row the same whatever the other rows of the call
 are and wherever the row sits in it, but round otherwise than the small calls.
 
-So a position has one of two paths, fixed by the request alone: the prompt's
+So a position's path is fixed by the request alone: the prompt's
 leading whole blocks of ``prompt_block`` rows (``prompt_path``) go through
 ``prompt_block``-row calls, everything else (the rest of the prompt, generated
 tokens, drafts, every other logits row) through the small calls. The prompt's rest
 past its whole blocks goes through one more call, padded, of the size (a
 multiple of REST_STEP up to the block, each measured row-invariant too) that
 costs least, where that costs less than its rows in small calls: on that
-machine, with 256-row blocks, a 101-row rest took 247 ms in 32-row calls and
-173 ms padded to one 128-row call. The rest's size is fixed by its length, so
+machine, with 256-row blocks, the per-row costs measured at start-up put a
+101-row rest at 247 ms in 32-row calls and 173 ms padded to one 128-row call. The rest's size is fixed by its length, so
 a path is still one number, its end (``PromptBlock.agreement`` says how far two
 paths compute their positions alike). Plain decoding and
 speculation then compute every position the same way, and greedy speculation
