@@ -53,6 +53,10 @@ PLAIN_GENERATE, ASSISTED, ENGINE = "transformers generate", "transformers assist
 LOOKUP_PEER = "transformers prompt lookup"
 # The time to first token a library user meets: one forward of the target over the whole prompt.
 ONE_FORWARD = "transformers one forward"
+# The same, timed beside the server's one-stream requests (prompt by prompt, the server idle):
+# the time to first text is set against it, so the host's drift between the peers' minutes
+# and the server's does not enter the ratio.
+ONE_FORWARD_BESIDE = "transformers one forward, beside the server"
 SERVER_MODES = ("plain", "adaptive", "fixed")
 # The server's default drafter runs as "adaptive"; each drafter alone, at one stream:
 DRAFTER_MODES = ("draft_model", "prompt_lookup")
@@ -304,6 +308,28 @@ def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, pr
 
 # -- the server ------------------------------------------------------------------
 
+def one_forward_timer(target_dir: Path, dtype: str) -> Callable[[str], float]:
+    """Seconds of one forward of the target (in ``dtype``) over a text, after one untimed
+    forward to warm the kernels: the library's time to first token, timed beside the server."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cpu_engine.engine import DTYPES
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
+
+    @torch.inference_mode()
+    def seconds(text: str) -> float:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        started = time.perf_counter()
+        target(ids, logits_to_keep=1)
+        return time.perf_counter() - started
+
+    seconds("def warm_up():\n    return 0\n" * 20)
+    return seconds
+
+
 def copy_length(prompts: Sequence[Prompt]) -> int:
     """The copy-heavy set's nominal length: its median prompt's tokens."""
     return int(statistics.median(p.tokens for p in prompts))
@@ -376,7 +402,8 @@ def run_load(burst: Callable[..., Measurement], modes: Sequence[str], bursts: in
 
 
 def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_tokens: int, fixed_window: int,
-                   length: int, prompt_set: str = HUMANEVAL, metrics_url: str | None = None) -> list[Measurement]:
+                   length: int, prompt_set: str = HUMANEVAL, metrics_url: str | None = None,
+                   one_forward: tuple[str, Callable[[str], float]] | None = None) -> list[Measurement]:
     """Every mode on every prompt, one request at a time, the modes' order turned
     by one from prompt to prompt: run mode after mode, the first would always meet
     the server's least-learnt estimates and the last the most. Each mode's seconds
@@ -391,9 +418,12 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
     from tools.client import stream_completion
 
     measurements = {mode: Measurement(f"server {mode}", length, 1, prompt_set) for mode in modes}
+    beside = Measurement(ONE_FORWARD_BESIDE, length, 1, prompt_set, dtype=one_forward[0]) if one_forward else None
     try:
         with grpcclient.InferenceServerClient(url) as client:
             for step, prompt in enumerate(prompts):
+                if beside is not None:  # the library's time to first token, a moment before the server's
+                    beside.first_text.append(one_forward[1](f"# forward {length} 1.{step} {RUN_ID}\n{prompt.text}"))
                 turned = list(modes[step % len(modes):]) + list(modes[:step % len(modes)])
                 for mode in turned:
                     text = f"# {mode} {length} 1.{step} {RUN_ID}\n{prompt.text}"
@@ -408,7 +438,7 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
                     _meter(measurements[mode], before, _forward_time(metrics_url), seconds, completion)
     except Exception as error:  # noqa: BLE001 - reported as the run's error
         raise BenchError(f"server at one stream: {error}") from error
-    return [measurements[mode] for mode in modes]
+    return [measurements[mode] for mode in modes] + ([beside] if beside is not None else [])
 
 
 def wait_until_idle(metrics_url: str | None, timeout: float = 600.0, poll: float = 0.1,
@@ -523,7 +553,8 @@ def summarise(measurements: list[Measurement], identity: list[Measurement], boun
         assisted = find(ASSISTED, m.prompt_tokens, 1, m.prompt_set)
         plain = find("server plain", m.prompt_tokens, m.concurrency, m.prompt_set)
         alone = find(m.system, m.prompt_tokens, 1, m.prompt_set)
-        forward = find(ONE_FORWARD, m.prompt_tokens, 1, m.prompt_set)
+        forward = (find(ONE_FORWARD_BESIDE, m.prompt_tokens, 1, m.prompt_set)
+                   or find(ONE_FORWARD, m.prompt_tokens, 1, m.prompt_set))
         rate = m.tokens_per_second
         ratio = (lambda other: rate / other.tokens_per_second
                  if rate and other is not None and other.tokens_per_second else None)
@@ -578,7 +609,18 @@ def fastest_peer(candidates: Sequence[Measurement]) -> Measurement | None:
     return min(candidates, key=lambda m: m.p50_first_text if m.p50_first_text is not None else float("inf"))
 
 
+def fastest_forward_dtype(measurements: Sequence[Measurement]) -> str | None:
+    """The dtype whose one forward over the prompts took least in all (None: none measured)."""
+    totals: dict[str, float] = {}
+    for m in measurements:
+        if m.system == ONE_FORWARD and m.dtype and m.first_text:
+            totals[m.dtype] = totals.get(m.dtype, 0.0) + sum(m.first_text)
+    return min(totals, key=totals.get, default=None)
+
+
 def _progress_line(m: Measurement) -> str:
+    if m.tokens_per_second is None:  # a time only (one forward over the prompt)
+        return f"{m.system}, {m.prompt_set} {m.prompt_tokens}-token prompts: p50 {m.p50_first_text:.2f} s"
     stopped = "".join(f"; {count}x stopped speculating: {reason}" for reason, count in m.fallbacks.items())
     return (f"{m.system}, {m.prompt_set} {m.prompt_tokens}-token prompts, {m.concurrency} streams: "
             f"{m.tokens_per_second:.2f} tok/s total, {m.accepted}/{m.drafted} drafted tokens accepted{stopped}")
@@ -790,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_prompts(args.prompts, count) if args.copy else []
         started = datetime.datetime.now(datetime.timezone.utc)
         measurements: list[Measurement] = []
-        bound = None
+        bound = one_forward = None
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
             settings = server_engine_settings(args.url)
@@ -799,6 +841,10 @@ def main(argv: list[str] | None = None) -> int:
             progress("the ceiling: the target's and the draft's forwards, timed in-process")
             bound = measure_bound(target_dir, draft_dir, args.concurrency, min(prompts), args.max_tokens,
                                   CoordinatorSettings().speculation_window, settings.get("max_num_tokens", 512))
+            one_forward = fastest_forward_dtype(measurements)
+            if one_forward:
+                progress(f"{ONE_FORWARD} in {one_forward}, loaded to run beside the server's one-stream requests")
+                one_forward = (one_forward, one_forward_timer(target_dir, one_forward))
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
         modes = args.modes
@@ -810,9 +856,11 @@ def main(argv: list[str] | None = None) -> int:
             one_stream.append((COPY, copy_length(copy), copy, modes))
         for prompt_set, length, group, group_modes in one_stream:
             for m in run_one_stream(args.url, group_modes, group, args.max_tokens, args.fixed_window, length,
-                                    prompt_set, metrics_url=args.metrics_url or None):
+                                    prompt_set, metrics_url=args.metrics_url or None,
+                                    one_forward=one_forward if prompt_set == HUMANEVAL else None):
                 measurements.append(m)
                 progress(_progress_line(m))
+        one_forward = None  # the model's memory back before the loads
         before_loads = _metrics_text(args.metrics_url)
         for concurrency in sorted(set(args.concurrency) - {1}):
             for mode in server_modes:

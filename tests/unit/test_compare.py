@@ -9,6 +9,7 @@ from tools.compare import (
     ASSISTED,
     ENGINE,
     ONE_FORWARD,
+    ONE_FORWARD_BESIDE,
     PLAIN_GENERATE,
     Measurement,
     format_table,
@@ -71,6 +72,18 @@ def test_ratios_against_the_peers_the_servers_plain_mode_and_one_stream():
     assert rows[PLAIN_GENERATE, 1]["vs_server_plain"] is None  # peers have no server-plain ratio
     assert abs(summary["serving_overhead"]["150"] - 0.25) < 1e-9  # engine 5.0 over server plain 4.0
     assert "| server adaptive | humaneval 150 | 4 | 16.00 | 4.00x |" in format_table(summary)
+
+
+def test_time_to_first_text_is_set_against_the_forward_timed_beside_the_server_where_there_is_one():
+    from tools.compare import fastest_forward_dtype
+
+    runs = [Measurement(ONE_FORWARD, 150, 1, dtype="float32", first_text=[1.0, 1.2]),
+            Measurement(ONE_FORWARD, 150, 1, dtype="bfloat16", first_text=[0.3, 0.5]),
+            Measurement(ONE_FORWARD_BESIDE, 150, 1, dtype="bfloat16", first_text=[0.5, 0.5]),
+            measurement("server plain", 4.0, first_text=(0.6,))]
+    assert fastest_forward_dtype(runs) == "bfloat16" and fastest_forward_dtype(runs[3:]) is None
+    rows = {r["system"]: r for r in summarise(runs, identity=[])["rows"]}
+    assert rows["server plain"]["first_text_vs_one_forward"] == pytest.approx(1.2)  # 0.6 over 0.5, not over 0.4
 
 
 def test_time_to_first_text_is_set_against_one_transformers_forward_over_the_prompt():
@@ -157,6 +170,14 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
     assert sent == ["plain", "adaptive", "fixed", "adaptive", "fixed", "plain", "fixed", "plain", "adaptive"]
     assert [m.system for m in runs] == ["server plain", "server adaptive", "server fixed"]
     assert all(m.requests == 3 and m.completion_tokens == 24 and m.seconds > 0 for m in runs)
+    # the library's one forward over each prompt, timed a moment before the server's requests on it
+    sent.clear()
+    forwards = []
+    runs = run_one_stream("x", ("plain", "adaptive"), prompts, 8, 4, 150,
+                          one_forward=("bfloat16", lambda text: forwards.append((len(sent), text)) or 0.5))
+    assert [at for at, _ in forwards] == [0, 2, 4] and all(p.text in text for p, (_, text) in zip(prompts, forwards))
+    beside = runs[-1]
+    assert (beside.system, beside.dtype, beside.first_text) == (ONE_FORWARD_BESIDE, "bfloat16", [0.5] * 3)
 
 
 def test_a_load_runs_the_modes_bursts_in_turned_order_and_sums_each_modes_bursts(monkeypatch):
