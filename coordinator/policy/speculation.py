@@ -198,13 +198,22 @@ class SpeculationPolicy:
         if not free:
             if self._thin_evidence(drafter):
                 return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
-            self._enter(Mode.UNPROFITABLE, "no speculation window is predicted to beat plain decoding")
+            self._enter(Mode.UNPROFITABLE, self._unprofitable_reason(alpha, context, drafter))
             return 0, 1.0
         self._free_refusals += 1
         if (self._drafted(drafter) < self.settings.min_evidence  # not measured on this request's text yet
                 or self._free_refusals % self.settings.probe_interval == 0):  # measure the estimate that refuses it
             return self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter), 1.0
         return 0, 1.0
+
+    def _unprofitable_reason(self, alpha: float, context: int, drafter: str) -> str:
+        """Why no window pays, with the numbers that priced it: a wrong cost or acceptance shows."""
+        k = self.costs.likeliest_window(alpha, self.max_window, context, drafter=drafter)
+        speedup = self.costs.predictions(alpha, self.max_window, context, drafter=drafter)[k - 1]
+        drafting = self.costs.draft_cost(k, context, drafter=drafter)
+        return (f"no speculation window is predicted to beat plain decoding (per-token acceptance {alpha:.2f}; "
+                f"the best, {k}, {speedup:.2f}x: a drafted token costs {drafting:.2f} plain steps, "
+                f"verifying {self.costs.verify_cost(k, context):.2f})")
 
     def _thin_evidence(self, drafter: str) -> bool:
         """Whether the acceptance that prices ``drafter`` rests on too little to stop it:

@@ -158,6 +158,11 @@ def test_adaptive_goes_plain_when_nothing_pays_and_resumes_after_a_good_probe():
         policy.record(2, 0)
     assert policy.window() == 0 and policy.mode is Mode.UNPROFITABLE
     assert "predicted to beat plain" in policy.reason
+    # the numbers that priced it, so a wrong cost or acceptance shows in fallback_reason
+    alpha, best = policy.acceptance_estimate(), costs.likeliest_window(policy.acceptance_estimate(), 6)
+    assert (f"per-token acceptance {alpha:.2f}; the best, {best}, "
+            f"{costs.predictions(alpha, 6)[best - 1]:.2f}x: a drafted token costs {costs.draft_cost(best):.2f} "
+            f"plain steps, verifying {costs.verify_cost(best):.2f})") in policy.reason
     gap, k = plain_until_probe(policy)
     # the probe measures the window the cost model rates best, even below plain decoding
     assert gap == 8 and k == costs.likeliest_window(policy.acceptance_estimate(), 6) >= 1
