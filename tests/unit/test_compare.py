@@ -147,24 +147,31 @@ def test_copy_heavy_prompts_show_a_held_out_function_then_start_it_again():
         assert prompt.text.count(signature) == 2 and prompt.text.rstrip().endswith('"""')
 
 
-def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
-    """Mode after mode, the first would always meet the least-learnt server."""
+def fake_server(monkeypatch, inputs) -> list:
+    """Completions of 8 tokens from no server; returns the list each request's ``inputs(mode, text)`` joins."""
     import types
 
     import tools.client
-    from tools.compare import run_one_stream
-    from tools.prompts import Prompt
 
     sent = []
 
-    def completion(client, mode):
-        sent.append(mode)
+    def completion(client, request):
+        sent.append(request)
         return types.SimpleNamespace(completion_tokens=8, draft_tokens=4, accepted_draft_tokens=3,
                                      time_to_first_chunk=0.1, text="x", fallback_reason="")
 
     monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", GrpcClient)
-    monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: mode)
+    monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: inputs(mode, text))
     monkeypatch.setattr(tools.client, "stream_completion", completion)
+    return sent
+
+
+def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
+    """Mode after mode, the first would always meet the least-learnt server."""
+    from tools.compare import run_one_stream
+    from tools.prompts import Prompt
+
+    sent = fake_server(monkeypatch, lambda mode, text: mode)
     prompts = [Prompt(f"p{i}", f"def f{i}():", 3) for i in range(3)]
     runs = run_one_stream("x", ("plain", "adaptive", "fixed"), prompts, 8, 4, 150)
     assert sent == ["plain", "adaptive", "fixed", "adaptive", "fixed", "plain", "fixed", "plain", "adaptive"]
@@ -182,22 +189,10 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
 
 def test_a_load_runs_the_modes_bursts_in_turned_order_and_sums_each_modes_bursts(monkeypatch):
     """Mode after mode, one mode would meet the host's drift alone: ABBA cancels a steady drift."""
-    import types
-
-    import tools.client
     from tools.compare import run_load, run_server
     from tools.prompts import Prompt
 
-    sent = []
-
-    def completion(client, inputs):
-        sent.append(inputs)
-        return types.SimpleNamespace(completion_tokens=8, draft_tokens=4, accepted_draft_tokens=3,
-                                     time_to_first_chunk=0.1, text="x", fallback_reason="")
-
-    monkeypatch.setattr("tritonclient.grpc.InferenceServerClient", GrpcClient)
-    monkeypatch.setattr("tools.compare.server_inputs", lambda mode, text, max_tokens, window: (mode, text))
-    monkeypatch.setattr(tools.client, "stream_completion", completion)
+    sent = fake_server(monkeypatch, lambda mode, text: (mode, text))
     prompts = [Prompt(f"p{i}", f"def f{i}():", 3) for i in range(2)]
 
     def burst(mode, number, into):
