@@ -292,18 +292,23 @@ def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, pr
                      dtype: str | None = None) -> Measurement:
     """One forward of ``target`` over each whole prompt (after one untimed forward to warm
     the kernels), recorded as that prompt's time to first text."""
-    import torch
-
     measurement = Measurement(ONE_FORWARD, length, 1, dtype=dtype)
-    with torch.inference_mode():
-        target(tokenizer(group[0].text, return_tensors="pt").input_ids, logits_to_keep=1)
-        for prompt in group:
-            ids = tokenizer(prompt.text, return_tensors="pt").input_ids
-            started = time.perf_counter()
-            target(ids, logits_to_keep=1)
-            measurement.first_text.append(time.perf_counter() - started)
+    forward_seconds(target, tokenizer, group[0].text)
+    measurement.first_text += [forward_seconds(target, tokenizer, prompt.text) for prompt in group]
     progress(f"{ONE_FORWARD} ({dtype}), {length}-token prompts: p50 {measurement.p50_first_text:.2f} s")
     return measurement
+
+
+def forward_seconds(target, tokenizer, text: str) -> float:
+    """Seconds of one forward of ``target`` over ``text`` (its last row's logits only, as
+    ``generate`` computes a prompt's first token)."""
+    import torch
+
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        started = time.perf_counter()
+        target(ids, logits_to_keep=1)
+        return time.perf_counter() - started
 
 
 # -- the server ------------------------------------------------------------------
@@ -311,23 +316,14 @@ def time_one_forward(target, tokenizer, group: Sequence[Prompt], length: int, pr
 def one_forward_timer(target_dir: Path, dtype: str) -> Callable[[str], float]:
     """Seconds of one forward of the target (in ``dtype``) over a text, after one untimed
     forward to warm the kernels: the library's time to first token, timed beside the server."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cpu_engine.engine import DTYPES
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
-
-    @torch.inference_mode()
-    def seconds(text: str) -> float:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        started = time.perf_counter()
-        target(ids, logits_to_keep=1)
-        return time.perf_counter() - started
-
-    seconds("def warm_up():\n    return 0\n" * 20)
-    return seconds
+    forward_seconds(target, tokenizer, "def warm_up():\n    return 0\n" * 20)
+    return lambda text: forward_seconds(target, tokenizer, text)
 
 
 def copy_length(prompts: Sequence[Prompt]) -> int:
@@ -396,9 +392,14 @@ def run_load(burst: Callable[..., Measurement], modes: Sequence[str], bursts: in
     meet the drift alone. ``burst(mode, number, into)`` runs one burst."""
     merged: dict[str, Measurement | None] = dict.fromkeys(modes)
     for number in range(bursts):
-        for mode in list(modes[number % len(modes):]) + list(modes[:number % len(modes)]):
+        for mode in turned(modes, number):
             merged[mode] = burst(mode, number, merged[mode])
     return [merged[mode] for mode in modes]
+
+
+def turned(modes: Sequence[str], by: int) -> list[str]:
+    """``modes`` turned by ``by`` places: the order of the ``by``-th prompt or burst."""
+    return list(modes[by % len(modes):]) + list(modes[:by % len(modes)])
 
 
 def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_tokens: int, fixed_window: int,
@@ -424,8 +425,7 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
             for step, prompt in enumerate(prompts):
                 if beside is not None:  # the library's time to first token, a moment before the server's
                     beside.first_text.append(one_forward[1](f"# forward {length} 1.{step} {RUN_ID}\n{prompt.text}"))
-                turned = list(modes[step % len(modes):]) + list(modes[:step % len(modes)])
-                for mode in turned:
+                for mode in turned(modes, step):
                     text = f"# {mode} {length} 1.{step} {RUN_ID}\n{prompt.text}"
                     before = _forward_time(metrics_url)
                     stolen, started = host_steal_seconds(), time.perf_counter()
@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_prompts(args.prompts, count) if args.copy else []
         started = datetime.datetime.now(datetime.timezone.utc)
         measurements: list[Measurement] = []
-        bound = one_forward = None
+        bound = one_forward = None  # one_forward: (dtype, seconds of a forward over a text)
         if not args.skip_peers:
             progress("peers, in-process (the server is idle meanwhile)")
             settings = server_engine_settings(args.url)
@@ -841,10 +841,10 @@ def main(argv: list[str] | None = None) -> int:
             progress("the ceiling: the target's and the draft's forwards, timed in-process")
             bound = measure_bound(target_dir, draft_dir, args.concurrency, min(prompts), args.max_tokens,
                                   CoordinatorSettings().speculation_window, settings.get("max_num_tokens", 512))
-            one_forward = fastest_forward_dtype(measurements)
-            if one_forward:
-                progress(f"{ONE_FORWARD} in {one_forward}, loaded to run beside the server's one-stream requests")
-                one_forward = (one_forward, one_forward_timer(target_dir, one_forward))
+            forward_dtype = fastest_forward_dtype(measurements)
+            if forward_dtype:
+                progress(f"{ONE_FORWARD} in {forward_dtype}, loaded to run beside the server's one-stream requests")
+                one_forward = (forward_dtype, one_forward_timer(target_dir, forward_dtype))
         shortest = min(prompts)
         # One stream: the modes interleaved prompt by prompt (run_one_stream).
         modes = args.modes
