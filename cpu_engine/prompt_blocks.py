@@ -99,8 +99,7 @@ def prompt_path(prompt_length: int | None, input_length: int, block: PromptBlock
     """How many leading positions of a call's input go through the prompt's calls:
     its whole blocks, and its rest where a padded call pays (``PromptBlock.rest_call``).
     The prompt's last token counts: its row, whose logits give the first token, joins
-    the calls too rather than read every weight once more in a small call of its own
-    (about a decode step, a sixth of a 350-token prefill)."""
+    the calls too rather than read every weight once more in a small call of its own."""
     if block is None or not prompt_length:
         return 0
     rows = min(prompt_length, input_length)
@@ -151,8 +150,7 @@ def measure_prompt_block(model: nn.Module, small: int, setting: str = "auto") ->
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     shapes = linear_shapes(model)
     sizes = CANDIDATES if setting == "auto" else (int(setting),)
-    usable = [size for size in sizes if size > small and all(
-        block_agrees(layer, layer.in_features, size, dtype, generator) for layer, _ in shapes.values())]
+    usable = [size for size in sizes if _row_invariant(shapes, size, small, dtype, generator)]
     if setting != "auto" and not usable:
         raise ValueError(f"prompt_block {setting}: calls of {setting} rows do not give a row the same "
                          f"bits wherever it sits in the call on this machine")
@@ -160,7 +158,7 @@ def measure_prompt_block(model: nn.Module, small: int, setting: str = "auto") ->
     best = min(costs, key=lambda size: costs[size][0], default=None)
     if setting == "auto" and best is not None and costs[best][0] > KEEP_SHARE * costs[best][1]:
         best = None
-    chosen = None if best is None else _with_rest_sizes(best, costs[best], shapes, small, dtype, generator)
+    chosen = None if best is None else _with_rest_sizes(best, costs, shapes, small, dtype, generator)
     log.info("prompt block: %s (measured in %.1f s; %s)", chosen.describe() if chosen else "none",
              time.perf_counter() - started,
              ", ".join(f"{size} rows {1e6 * mine:.0f} us a row against {1e6 * theirs:.0f} in {small}-row calls"
@@ -168,15 +166,25 @@ def measure_prompt_block(model: nn.Module, small: int, setting: str = "auto") ->
     return chosen
 
 
-def _with_rest_sizes(block: int, cost: tuple[float, float], shapes, small: int, dtype, generator) -> PromptBlock:
-    """The block and the row-invariant sizes under it a prompt's rest may be padded to."""
-    sizes = {block: cost}
+def _with_rest_sizes(block: int, measured: dict[int, tuple[float, float]], shapes, small: int, dtype,
+                     generator) -> PromptBlock:
+    """The block and the row-invariant sizes under it a prompt's rest may be padded to
+    (``measured``: the candidate sizes already checked and timed, not measured again)."""
+    sizes = {block: measured[block]}
     for size in range(REST_STEP, block, REST_STEP):
-        if size > small and all(block_agrees(layer, layer.in_features, size, dtype, generator)
-                                for layer, _ in shapes.values()):
+        if size in measured:
+            sizes[size] = measured[size]
+        elif _row_invariant(shapes, size, small, dtype, generator):
             sizes[size] = _seconds_per_row(shapes, size, small, dtype, generator)
     small_cost = min(theirs for _, theirs in sizes.values())
     return PromptBlock(block, tuple(sorted((size, mine) for size, (mine, _) in sizes.items())), small_cost)
+
+
+def _row_invariant(shapes, size: int, small: int, dtype, generator) -> bool:
+    """Whether ``size``-row calls (larger than the ``small`` ones) give a row the same bits
+    in every linear shape."""
+    return size > small and all(block_agrees(layer, layer.in_features, size, dtype, generator)
+                                for layer, _ in shapes.values())
 
 
 def _seconds_per_row(shapes, size: int, small: int, dtype, generator) -> tuple[float, float]:
