@@ -183,8 +183,10 @@ def run_peers(target_dir: Path, draft_dir: Path, prompts: dict[int, list[Prompt]
     from transformers import AutoTokenizer
 
     from cpu_engine.engine import resolve_dtype
+    from cpu_engine.heap import retain_freed_memory
 
     torch.set_num_threads(threads)
+    retain_freed_memory()  # the engines' allocator setting: neither side pays page faults the other does not
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     results = []
     for dtype in dtypes:
@@ -319,7 +321,9 @@ def one_forward_timer(target_dir: Path, dtype: str) -> Callable[[str], float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cpu_engine.engine import DTYPES
+    from cpu_engine.heap import retain_freed_memory
 
+    retain_freed_memory()  # as the server's engines (cpu_engine/heap.py)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=DTYPES[dtype]).eval()
     forward_seconds(target, tokenizer, "def warm_up():\n    return 0\n" * 20)

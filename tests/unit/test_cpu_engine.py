@@ -545,3 +545,20 @@ def test_a_prompt_length_outside_the_input_is_refused_with_its_name(value):
         read_request(tensors.get)
     tensors["prompt_length"] = np.array([[2]], dtype=np.int32)
     assert read_request(tensors.get).prompt_length == 2
+
+
+def test_a_prompts_last_token_joins_its_prompt_rows_attention_call():
+    """A prompt's last token is its own work; where it follows the same sequence's
+    prompt rows in the forward, one segment (one attention call per block) carries both."""
+    from cpu_engine import attention
+    from cpu_engine.engine import _add_segment
+
+    sequence, other = attention.SequenceKV(1), attention.SequenceKV(1)
+    segments: list[attention.Segment] = []
+    _add_segment(segments, attention.Segment(0, 98, sequence, 98))
+    _add_segment(segments, attention.Segment(98, 99, sequence, 1))
+    assert segments == [attention.Segment(0, 99, sequence, 99)]
+    _add_segment(segments, attention.Segment(99, 100, other, 1))  # another sequence: its own
+    _add_segment(segments, attention.Segment(100, 104, other, 0))  # decode rows after prompt rows
+    _add_segment(segments, attention.Segment(104, 105, other, 1))  # after rows off the prompt path: apart
+    assert [(s.start, s.stop, s.prompt_rows) for s in segments] == [(0, 99, 99), (99, 104, 1), (104, 105, 1)]
