@@ -167,13 +167,17 @@ class Scheduler:
 
     def _chunk(self, call: Call, left: int, room: int) -> int:
         """Prompt rows of ``call`` the next forward takes: within the prompt's
-        blocks a whole number of blocks (at least one) and, once they are all
-        in, what of the rest fits; past its blocks what fits."""
+        blocks up to a block's end (at least the end of the block it is in, more
+        whole blocks as the room allows) and, once they are all in, what of the
+        rest fits; past its blocks what fits. A chunk ends where a block does, so
+        a cached prefix that ends inside a block (a reused preamble) does not make
+        every later block's attention run in two forwards, once partly padded."""
         blocks_left = min(call.prompt_path - call.prefilled, left)  # the last token is a decode row
         if blocks_left <= 0 or not self.prompt_block:
             return min(left, room)
-        block = self.prompt_block
-        take = min(blocks_left, max(room, block) // block * block)
+        block, start = self.prompt_block, call.prefilled
+        end = max((start // block + 1) * block, (start + room) // block * block)
+        take = min(blocks_left, end - start)
         if take == blocks_left:  # its blocks all in: the rest of the prompt as the room allows
             take += max(0, min(left - blocks_left, room - take))
         return take

@@ -231,6 +231,20 @@ def test_a_prompts_leading_blocks_are_taken_a_whole_block_at_a_time():
     assert [(w.call, len(w.tokens)) for w in works] == [(stream, 1), (prompt, 8)]
 
 
+def test_a_prompt_after_a_cached_prefix_that_ends_inside_a_block_goes_on_in_block_aligned_chunks():
+    """Alone, the first chunk ends where a block does and later ones are whole blocks:
+    no block's attention runs in two forwards."""
+    scheduler = Scheduler(capacity=32, shared_prefill=8, prompt_block=16)
+    prompt = call(61, new_tokens=2, reused=3)
+    prompt.prompt_path = 48
+    scheduler.add(prompt)
+    chunks = []
+    while prompt.prefill_left:
+        works, _ = step(scheduler)
+        chunks += [(prompt.prefilled - len(w.tokens), prompt.prefilled) for w in works if not w.logits]
+    assert chunks == [(3, 32), (32, 60)]  # 29 rows to the end of the second block, then 16 + the 12-row rest
+
+
 def test_a_prompt_whose_last_token_is_on_its_path_ends_in_one_forward_next_to_streams():
     """A padded rest takes the prompt's last token into its call (cpu_engine/prompt_blocks.py):
     the token's decode row rides with it past the shared room, where alone it would pad a
