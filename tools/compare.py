@@ -315,6 +315,26 @@ def forward_seconds(target, tokenizer, text: str) -> float:
 
 # -- the server ------------------------------------------------------------------
 
+def release_peers_memory() -> str:
+    """Give the memory the peers' and the ceiling's models freed back to the system
+    before the server runs (this process keeps freed memory for its forwards,
+    cpu_engine/heap.py, and the float32 peers alone load several GB): the server's
+    engines then share the machine with this process's working set only."""
+    from cpu_engine.engine import release_free_heap
+
+    before = resident_mib()
+    release_free_heap()
+    return f"this process gave back {before - resident_mib():.0f} MiB of freed memory ({resident_mib():.0f} MiB left)"
+
+
+def resident_mib() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def one_forward_timer(target_dir: Path, dtype: str) -> Callable[[str], float]:
     """Seconds of one forward of the target (in ``dtype``) over a text, after one untimed
     forward to warm the kernels: the library's time to first token, timed beside the server."""
@@ -845,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
             progress("the ceiling: the target's and the draft's forwards, timed in-process")
             bound = measure_bound(target_dir, draft_dir, args.concurrency, min(prompts), args.max_tokens,
                                   CoordinatorSettings().speculation_window, settings.get("max_num_tokens", 512))
+            progress(release_peers_memory())
             forward_dtype = fastest_forward_dtype(measurements)
             if forward_dtype:
                 progress(f"{ONE_FORWARD} in {forward_dtype}, loaded to run beside the server's one-stream requests")
