@@ -18,9 +18,6 @@ logits do not depend on what else the forward carried."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -30,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trtllm_emulation.requests import EngineRequest, EngineRequestError  # noqa: F401 (this module's API)
-from cpu_engine.heap import retain_freed_memory
+from cpu_engine.heap import release_free_heap, retain_freed_memory
 from cpu_engine import attention
 from cpu_engine.kv_pool import PrefixCachePool
 from cpu_engine.packed import choose_linear_kernel
@@ -101,19 +98,6 @@ class EngineResult:
     logits: np.ndarray | None = None  # [len(tokens), vocab] float32
     reused_tokens: int = 0  # prompt tokens served from the KV-cache pool
     log_probs: list[float] | None = None  # each token's, when the request asked (return_log_probs)
-
-
-def release_free_heap() -> bool:
-    """Give the heap memory freed while loading (checkpoint buffers, the
-    quantization's temporaries) back to the OS. glibc keeps freed pages
-    resident: without this an engine started up to a GB larger than it needed
-    to, and that slack hid its later growth from RSS. False outside glibc."""
-    gc.collect()
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def _add_segment(segments: list[attention.Segment], segment: attention.Segment) -> None:

@@ -11,13 +11,17 @@ each first touch faulted: on a 2-vCPU Intel Xeon (AMX) one bf16
 
 The cost: freed memory up to ``RETAINED_BYTES`` stays with the process (its
 resident size stays near its peak), which an engine that runs the same
-forwards all day reuses anyway.
+forwards all day reuses anyway. What a process freed once and will not need
+again (the loader's buffers, a benchmark's finished models) goes back with
+``release_free_heap``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import gc
 import logging
 
 log = logging.getLogger(__name__)
@@ -39,10 +43,26 @@ def retain_freed_memory() -> bool:
     return _applied
 
 
+def release_free_heap() -> bool:
+    """Give the heap memory freed while loading (checkpoint buffers, the
+    quantization's temporaries) back to the OS. glibc keeps freed pages
+    resident: without this an engine started up to a GB larger than it needed
+    to, and that slack hid its later growth from RSS. False outside glibc."""
+    gc.collect()
+    libc = _libc()
+    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(0))
+
+
 def _mallopt(parameter: int, value: int) -> bool:
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
-    return mallopt(ctypes.c_int(parameter), ctypes.c_int(value)) == 1
+    return libc.mallopt(ctypes.c_int(parameter), ctypes.c_int(value)) == 1
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None

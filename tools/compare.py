@@ -320,19 +320,19 @@ def release_peers_memory() -> str:
     before the server runs (this process keeps freed memory for its forwards,
     cpu_engine/heap.py, and the float32 peers alone load several GB): the server's
     engines then share the machine with this process's working set only."""
-    from cpu_engine.engine import release_free_heap
+    from cpu_engine.heap import release_free_heap
 
-    before = resident_mib()
+    before = _resident_mib()
     release_free_heap()
-    return f"this process gave back {before - resident_mib():.0f} MiB of freed memory ({resident_mib():.0f} MiB left)"
+    after = _resident_mib()
+    return f"this process gave back {before - after:.0f} MiB of freed memory ({after:.0f} MiB left)"
 
 
-def resident_mib() -> float:
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
-    except (OSError, StopIteration):
-        return 0.0
+def _resident_mib() -> float:
+    from tools.soak import process_memory
+
+    memory = process_memory(os.getpid())
+    return 0.0 if memory is None else memory[1] / 1024
 
 
 def one_forward_timer(target_dir: Path, dtype: str) -> Callable[[str], float]:

@@ -381,26 +381,6 @@ def test_measure_agreement_command_runs(model_dir, tmp_path, capsys):
     assert agreement and float(agreement.group(1)) >= 0.75, rows[0]
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
-
-
-def test_freed_heap_memory_goes_back_to_the_os():
-    """What the engine does after loading: without the trim, glibc keeps the
-    holes left by freed allocations resident."""
-    from cpu_engine.engine import release_free_heap
-
-    blocks = [bytes(4000) + bytes([i % 256]) for i in range(60_000)]  # ~240 MB of heap blocks
-    kept = blocks[::64]  # pins the heap so it cannot shrink from the top by itself
-    del blocks
-    before = _rss_mib()
-    if not release_free_heap():
-        pytest.skip("not glibc: nothing to trim")
-    assert before - _rss_mib() > 50, "the freed blocks stayed resident"  # ~110 MB measured, 0 without the trim
-    del kept  # alive until after the trim
-
-
 def test_a_cache_that_went_on_differently_is_reused_up_to_where_it_agrees(model_dir):
     """After a rejected draft the next call shares only part of the cached entry:
     that part is reused, and the result is bitwise what a fresh engine computes."""

@@ -1,12 +1,15 @@
-"""The engine's process keeps the memory a forward frees (cpu_engine/heap.py)."""
+"""The engine's process keeps the memory a forward frees and gives back what it
+loaded once (cpu_engine/heap.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cpu_engine.heap import retain_freed_memory
+from cpu_engine.heap import release_free_heap, retain_freed_memory
+from tools.soak import process_memory
 
 # In a fresh process (no earlier test's thresholds): where glibc serves a 48 MiB block
 # (a forward's activations are such blocks) and what it keeps once the block is freed,
@@ -44,3 +47,20 @@ def test_a_forward_sized_block_comes_from_the_heap_and_stays_there_when_freed():
     assert mapped >= 48 and kept < 48  # the premise: glibc's defaults map it apart and give it back
     mapped, kept = _mapped_and_kept_mib("retain")
     assert mapped < 48 and kept >= 48
+
+
+def _rss_mib() -> float:
+    return process_memory(os.getpid())[1] / 1024
+
+
+def test_freed_heap_memory_goes_back_to_the_os():
+    """What the engine does after loading: without the trim, glibc keeps the
+    holes left by freed allocations resident."""
+    blocks = [bytes(4000) + bytes([i % 256]) for i in range(60_000)]  # ~240 MB of heap blocks
+    kept = blocks[::64]  # pins the heap so it cannot shrink from the top by itself
+    del blocks
+    before = _rss_mib()
+    if not release_free_heap():
+        pytest.skip("not glibc: nothing to trim")
+    assert before - _rss_mib() > 50, "the freed blocks stayed resident"  # ~110 MB measured, 0 without the trim
+    del kept  # alive until after the trim
