@@ -21,7 +21,7 @@ serve: $(STAMP)
 # This server against the peers in one run (specdec-compare --help): plain and
 # assisted transformers generation (and prompt lookup on the copy-heavy set)
 # in-process, then a running `make serve` plain, adaptive and fixed-window at
-# 1, 2, 4 and 8 streams and at 150-, 750- and 2,000-token prompts, and each
+# 1, 2, 4 and 8 streams and at 150-, 300-, 750- and 2,000-token prompts, and each
 # drafter alone; ratios in JSON, a markdown table and a PNG. About 50 minutes
 # on a 2-vCPU machine. COMPARE_ARGS adds options.
 BENCH_DIR ?= bench-results

@@ -447,8 +447,7 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
     try:
         with grpcclient.InferenceServerClient(url) as client:
             for step, prompt in enumerate(prompts):
-                if beside is not None:  # the library's time to first token, a moment before the server's
-                    beside.first_text.append(one_forward[1](f"# forward {length} 1.{step} {RUN_ID}\n{prompt.text}"))
+                time_forward(beside, one_forward, f"# forward {length} 1.{step} {RUN_ID}\n{prompt.text}")
                 for mode in turned(modes, step):
                     text = f"# {mode} {length} 1.{step} {RUN_ID}\n{prompt.text}"
                     before = _forward_time(metrics_url)
@@ -460,9 +459,19 @@ def run_one_stream(url: str, modes: Sequence[str], prompts: list[Prompt], max_to
                     measurements[mode].add_steal(stolen, host_steal_seconds())
                     _record(measurements[mode], prompt, completion)
                     _meter(measurements[mode], before, _forward_time(metrics_url), seconds, completion)
+                time_forward(beside, one_forward, f"# forward after {length} 1.{step} {RUN_ID}\n{prompt.text}")
     except Exception as error:  # noqa: BLE001 - reported as the run's error
         raise BenchError(f"server at one stream: {error}") from error
     return [measurements[mode] for mode in modes] + ([beside] if beside is not None else [])
+
+
+def time_forward(beside: Measurement | None, one_forward: tuple[str, Callable[[str], float]] | None,
+                 text: str) -> None:
+    """The library's time to first token on ``text``, timed just before and again just after the
+    server's requests on the same prompt: a host whose speed drifts within a prompt's requests then
+    weighs on both sides of the ratio alike."""
+    if beside is not None and one_forward is not None:
+        beside.first_text.append(one_forward[1](text))
 
 
 def wait_until_idle(metrics_url: str | None, timeout: float = 600.0, poll: float = 0.1,
@@ -796,8 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=parse_windows, default=[1, 2, 4, 8], metavar="N,N,...",
                         help="streams at once for the server runs (default 1,2,4,8; at the shortest prompt "
                              "length; one stream always runs, its modes interleaved prompt by prompt)")
-    parser.add_argument("--prompt-tokens", type=parse_windows, default=[150, 750, 2000], metavar="N,N,...",
-                        help="prompt lengths (default 150,750,2000; longer ones run at one stream)")
+    parser.add_argument("--prompt-tokens", type=parse_windows, default=[150, 300, 750, 2000], metavar="N,N,...",
+                        help="prompt lengths (default 150,300,750,2000; longer ones run at one stream)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per length (default 2)")
     parser.add_argument("--fixed-window", type=int, default=4, help="window of the fixed mode (default 4)")
     parser.add_argument("--no-copy", dest="copy", action="store_false",

@@ -177,14 +177,17 @@ def test_one_stream_interleaves_the_modes_prompt_by_prompt(monkeypatch):
     assert sent == ["plain", "adaptive", "fixed", "adaptive", "fixed", "plain", "fixed", "plain", "adaptive"]
     assert [m.system for m in runs] == ["server plain", "server adaptive", "server fixed"]
     assert all(m.requests == 3 and m.completion_tokens == 24 and m.seconds > 0 for m in runs)
-    # the library's one forward over each prompt, timed a moment before the server's requests on it
+    # the library's one forward over each prompt, timed a moment before the server's requests on it,
     sent.clear()
     forwards = []
     runs = run_one_stream("x", ("plain", "adaptive"), prompts, 8, 4, 150,
                           one_forward=("bfloat16", lambda text: forwards.append((len(sent), text)) or 0.5))
-    assert [at for at, _ in forwards] == [0, 2, 4] and all(p.text in text for p, (_, text) in zip(prompts, forwards))
+    # and again a moment after them, so a drift of the host's speed falls on both sides of the ratio
+    assert [at for at, _ in forwards] == [0, 2, 2, 4, 4, 6]
+    assert all(p.text in text for p, (_, text) in zip([p for p in prompts for _ in (0, 1)], forwards))
+    assert len({text for _, text in forwards}) == 6  # each forward's prompt its own
     beside = runs[-1]
-    assert (beside.system, beside.dtype, beside.first_text) == (ONE_FORWARD_BESIDE, "bfloat16", [0.5] * 3)
+    assert (beside.system, beside.dtype, beside.first_text) == (ONE_FORWARD_BESIDE, "bfloat16", [0.5] * 6)
 
 
 def test_a_load_runs_the_modes_bursts_in_turned_order_and_sums_each_modes_bursts(monkeypatch):
