@@ -48,15 +48,16 @@ def cpu_seconds(pid: int) -> float:
 
 def stack_pids(server_pid: int) -> dict[str, int]:
     """tritonserver and its coordinator stub (by the model path the stub is given)."""
-    return {"tritonserver": server_pid, **_stubs(server_pid, {"coordinator": b"/coordinator/"})}
+    return {"tritonserver": server_pid, **stubs_by_model_path(server_pid, {"coordinator": b"/coordinator/"})}
 
 
 def engine_pids(server_pid: int) -> dict[str, int]:
     """The sim engines' stubs (models target and draft)."""
-    return _stubs(server_pid, {"target": b"/target/", "draft": b"/draft/"})
+    return stubs_by_model_path(server_pid, {"target": b"/target/", "draft": b"/draft/"})
 
 
-def _stubs(server_pid: int, paths: dict[str, bytes]) -> dict[str, int]:
+def stubs_by_model_path(server_pid: int, paths: dict[str, bytes]) -> dict[str, int]:
+    """The Python-backend stubs under ``server_pid`` by name, each found by a part of its model's path."""
     pids = {}
     for pid in process_tree(server_pid):
         try:
