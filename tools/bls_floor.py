@@ -1,20 +1,22 @@
-"""``python -m tools.bls_floor``: the floor of one BLS call on this host, what
-Triton's Python backend costs a decoupled engine call before any coordinator
-or engine work is done.
+"""``python -m tools.bls_floor``: the floor of one BLS engine call on this host,
+what Triton's Python backend costs a decoupled engine call before any
+coordinator or engine work is done.
 
-It starts a tritonserver with two throwaway Python models: ``echo``, decoupled
-like the engines, which answers every call at once with one response (its
-last input token, flagged final), and ``caller``, which makes calls to
-``echo`` back to back from its ``execute`` (an engine call's shape: the
-context's token ids in, a token out; ``exec(decoupled=True)``, every response
-read) and times each. No asyncio, no thread hop, no tensors beyond those two:
+It starts a tritonserver with two throwaway Python models. ``echo`` is
+decoupled like the engines: its ``execute`` reads the inputs of a greedy
+engine call in the tensorrtllm contract (and how long to sleep) and queues the
+call for an engine thread, which sleeps that long and answers with
+``output_ids`` and ``sequence_length``, as the sim engine does. ``caller``
+calls it back to back from its ``execute`` (``exec(decoupled=True)``, every
+response read; no asyncio, no thread hop) and times each call less the sleep:
 the least any coordinator running as a Python BLS model pays per engine call
 here. A speculative round makes two such calls (draft, then verify), so twice
 the floor is the least a round costs beyond its forwards; the sim profile's
-speed-ups (tools/sim_bench.py) are bounded by it. On a GPU host the engines are
-TensorRT-LLM's C++ backend, so the engine side of the hop is in-process there,
-cheaper than the Python ``echo`` here: the floor printed is an upper bound of
-that part.
+speed-ups (tools/sim_bench.py) are bounded by it. An engine that sleeps shows
+what waking the idle processes of each hop costs on the host. On a GPU host the
+engines are TensorRT-LLM's C++ backend, so the engine side of the hop is
+in-process there, cheaper than the Python ``echo`` here: the floor printed is
+an upper bound of that part.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
+import numpy as np
+import tritonclient.http as httpclient
+
+from selfheal import readiness
+from tools.bench import parse_windows
 from tools.sim_bench import cpu_seconds, free_port, machine, stubs_by_model_path
 
 # The scalar inputs of a greedy engine call in the tensorrtllm contract
@@ -148,32 +154,34 @@ def measure(calls: int, contexts: list[int], engine_ms: list[float], progress=pr
     from launcher.assets import default_cache_dir
     from launcher.tritonserver import locate
 
-    import numpy as np
-    import tritonclient.http as httpclient
-
     install = locate(default_cache_dir())
     http = free_port()
     paths = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
-    with tempfile.TemporaryDirectory(prefix="bls-floor-") as repository:
-        write_repository(Path(repository))
+    with tempfile.TemporaryDirectory(prefix="bls-floor-") as workdir:
+        repository, log = Path(workdir) / "models", Path(workdir) / "tritonserver.log"
+        write_repository(repository)
         env = dict(os.environ, LD_LIBRARY_PATH=str(install.library_dir),
                    BLS_FLOOR_PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
-        server = subprocess.Popen(
-            [str(install.binary), f"--model-repository={repository}", f"--backend-directory={install.backend_dir}",
-             "--http-address=127.0.0.1", f"--http-port={http}", "--allow-grpc=false", "--allow-metrics=false",
-             f"--backend-config=python,shm-region-prefix-name=bls_floor_{os.getpid()}_"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with log.open("wb") as output:
+            server = subprocess.Popen(
+                [str(install.binary), f"--model-repository={repository}", f"--backend-directory={install.backend_dir}",
+                 "--http-address=127.0.0.1", f"--http-port={http}", "--allow-grpc=false", "--allow-metrics=false",
+                 f"--backend-config=python,shm-region-prefix-name=bls_floor_{os.getpid()}_"],
+                env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
+            try:
+                readiness.wait_for(server, f"http://127.0.0.1:{http}/v2/health/ready", "tritonserver", 120.0)
+            except (RuntimeError, TimeoutError) as error:
+                raise SystemExit(f"bls_floor: {error}:\n{log.read_text(errors='replace')[-2000:]}") from None
             client = httpclient.InferenceServerClient(f"127.0.0.1:{http}", network_timeout=600)
-            _wait_ready(client, server)
             pids = stubs_by_model_path(server.pid, {"caller": b"/caller/", "echo": b"/echo/"})
             pids["tritonserver"] = server.pid
             results = []
             for context in contexts:
                 for sleep in engine_ms:
-                    _call(client, np, WARM_UP_CALLS, context, sleep)
+                    _call(client, WARM_UP_CALLS, context, sleep)
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                    seconds = _call(client, np, calls, context, sleep)
+                    seconds = _call(client, calls, context, sleep)
                     cpu = {name: 1000.0 * (cpu_seconds(pid) - before[name]) / calls for name, pid in pids.items()}
                     row = {"context_tokens": context, "engine_ms": sleep, **summary(seconds), "cpu_ms_per_call": cpu}
                     results.append(row)
@@ -187,24 +195,7 @@ def measure(calls: int, contexts: list[int], engine_ms: list[float], progress=pr
             server.wait(30)
 
 
-def _wait_ready(client, server: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"bls_floor: tritonserver exited ({server.returncode}): "
-                             f"{server.stderr.read().decode(errors='replace')[-2000:]}")
-        try:
-            if client.is_server_ready():
-                return
-        except Exception:  # noqa: BLE001 - not listening yet
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"bls_floor: tritonserver not ready after {timeout:.0f} s")
-
-
-def _call(client, np, calls: int, context: int, engine_ms: float) -> list[float]:
-    import tritonclient.http as httpclient
-
+def _call(client, calls: int, context: int, engine_ms: float) -> list[float]:
     inputs = [httpclient.InferInput("calls", [1], "INT32"), httpclient.InferInput("context", [1], "INT32"),
               httpclient.InferInput("engine_ms", [1], "FP32")]
     inputs[0].set_data_from_numpy(np.array([calls], dtype=np.int32))
@@ -213,34 +204,27 @@ def _call(client, np, calls: int, context: int, engine_ms: float) -> list[float]
     return [float(s) for s in client.infer("caller", inputs).as_numpy("seconds")]
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bls_floor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=positive, default=500, help="timed calls per setting (default 500)")
-    parser.add_argument("--contexts", default="200,2000",
-                        help="context lengths in tokens, comma-separated (default 200,2000)")
-    parser.add_argument("--engine-ms", default="0,1.5,7",
-                        help="milliseconds the echo's engine thread sleeps before it answers, comma-separated "
+    parser.add_argument("--calls", type=int, default=500, help="timed calls per setting (default 500)")
+    parser.add_argument("--contexts", type=parse_windows, default=[200, 2000], metavar="N,N,...",
+                        help="context lengths in tokens (default 200,2000)")
+    parser.add_argument("--engine-ms", default="0,1.5,7", metavar="MS,MS,...",
+                        help="milliseconds the echo's engine thread sleeps before it answers "
                              "(default 0,1.5,7: at once, and the h100-8b-1b sim preset's draft and target steps)")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args(argv)
-    try:
-        contexts = [positive(v) for v in args.contexts.split(",")]
-    except (ValueError, argparse.ArgumentTypeError) as error:
-        parser.error(f"--contexts: {error}")
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
+    if not args.contexts or min(args.contexts) < 1:
+        parser.error(f"--contexts must be token counts of at least 1, got {args.contexts}")
     try:
         engine_ms = [float(v) for v in args.engine_ms.split(",")]
     except ValueError as error:
         parser.error(f"--engine-ms: {error}")
     if not all(0 <= v <= 1000 for v in engine_ms):
         parser.error(f"--engine-ms: each value must be 0 to 1000 ms, got {args.engine_ms}")
-    result = measure(args.calls, contexts, engine_ms, progress=lambda line: print(line, flush=True))
+    result = measure(args.calls, args.contexts, engine_ms, progress=lambda line: print(line, flush=True))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
